@@ -1,0 +1,60 @@
+"""dlspass: dynamic loss scaling (DLS) for mixed-precision training, as a compiler pass.
+
+Public verbs (importing ``dlspass`` stays light: heavy modules load on first use):
+
+- ``DLSConfig``: the DLS settings, with cstorch's names and presets (cerebras, torch, ...).
+- ``GradScaler``: an eager scaler with cstorch's constructor and torch.amp's methods.
+- ``capture_step``: one training step captured as one FX graph and rewritten for DLS.
+- ``compile``: the whole training step compiled by inductor as one graph, DLS included.
+- ``verify``: prove a rewritten graph's DLS invariants (raises ``VerificationError``).
+- ``formats`` / ``round_to_format``: float16, bfloat16 and cbfloat16 rounding.
+
+Example:
+    >>> import torch, dlspass
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> scaler = dlspass.GradScaler(loss_scale="dynamic")
+    >>> loss = model(torch.randn(8, 4)).pow(2).mean()
+    >>> scaler.scale(loss).backward()
+    >>> stepped = scaler.step(opt)
+    >>> scaler.update()
+    >>> float(scaler.get_scale())
+    32768.0
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .config import ConfigError, DLSConfig
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "GradScaler": "dlspass.scaler",
+    "TorchGradScaler": "dlspass.scaler",
+    "hold_scheduler_on_skip": "dlspass.scaler",
+    "ScalerState": "dlspass.scale_policy",
+    "round_to_format": "dlspass.formats",
+    "formats": "dlspass.formats",
+    "capture_step": "dlspass.capture.functional",
+    "CapturedStep": "dlspass.capture.functional",
+    "CaptureError": "dlspass.capture.functional",
+    "verify": "dlspass.verify",
+    "VerificationError": "dlspass.verify",
+    "compile": "dlspass.compile_step",
+    "make_backend": "dlspass.dynamo_backend",
+}
+
+__all__ = ["ConfigError", "DLSConfig", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'dlspass' has no attribute {name!r}")
+    module = importlib.import_module(mod)
+    value = module if name == "formats" else getattr(module, name)
+    globals()[name] = value
+    return value

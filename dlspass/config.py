@@ -1,0 +1,242 @@
+"""Policy as data: the DLS configuration and the scale-policy presets.
+
+`DLSConfig` keeps what the user wrote (``None`` means "the preset's default") and resolves the
+effective numbers through properties, so that ``dataclasses.replace`` on a config never turns a
+defaulted value into an explicit one. Defaults follow SPEC.md §1 (cstorch) and §4 (the other
+tools' policies).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FP16_TYPES = ("float16", "bfloat16", "cbfloat16")
+POLICIES = ("cerebras", "torch", "deepspeed", "megatron", "keras")
+FLOAT32_MAX = 3.4028234663852886e38
+
+Policy = Literal["cerebras", "torch", "deepspeed", "megatron", "keras"]
+FP16Type = Literal["float16", "bfloat16", "cbfloat16"]
+
+
+class ConfigError(ValueError):
+    """A DLS configuration value is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class PresetDefaults:
+    """The numbers a policy uses when the user leaves a key at ``None``."""
+
+    initial_loss_scale: float
+    max_loss_scale: float
+    min_loss_scale: float
+    steps_per_increase: int
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    hysteresis: int = 1
+    overflow_check: Literal["global_norm", "all_finite"] = "all_finite"
+
+
+def preset_defaults(policy: str, fp16_type: str) -> PresetDefaults:
+    """Defaults of ``policy`` for ``fp16_type`` (SPEC.md §1 and §4, ANCHORS.md §2)."""
+    if policy == "cerebras":
+        init = 2.0**31 if fp16_type == "cbfloat16" else 2.0**15
+        return PresetDefaults(init, init, 2.0**-14, 2000, overflow_check="global_norm")
+    if policy == "torch":
+        # torch has no floor or cap: the floor keeps 1/scale finite (SPEC.md §4), the cap is
+        # fp32's largest value, which torch's "grow only if finite" rule never exceeds.
+        return PresetDefaults(2.0**16, FLOAT32_MAX, 2.0**-14, 2000)
+    if policy == "deepspeed":
+        return PresetDefaults(2.0**16, FLOAT32_MAX, 1.0, 1000, hysteresis=2)
+    if policy == "megatron":
+        return PresetDefaults(2.0**32, FLOAT32_MAX, 1.0, 1000, hysteresis=2)
+    if policy == "keras":
+        return PresetDefaults(2.0**15, FLOAT32_MAX, 2.0**-14, 2000)
+    raise ConfigError(f"policy: unknown preset {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def _number(name: str, value: Any, *, allow_none: bool = True) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name}: must be finite, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class DLSConfig:
+    """Dynamic loss scaling settings with cstorch's names.
+
+    ``loss_scale``: ``"dynamic"`` turns DLS on; a number is a static scale (no overflow check,
+    no skipped steps); ``None`` or ``1.0`` means no scaling. Every other numeric key left at
+    ``None`` takes the default of ``policy`` for ``fp16_type`` (SPEC.md §1).
+
+    Example:
+        >>> cfg = DLSConfig(fp16_type="cbfloat16")
+        >>> cfg.init_scale, cfg.min_scale
+        (2147483648.0, 6.103515625e-05)
+    """
+
+    loss_scale: str | float | None = "dynamic"
+    initial_loss_scale: float | None = None
+    steps_per_increase: int | None = None
+    min_loss_scale: float | None = None
+    max_loss_scale: float | None = None
+    overflow_tolerance: float | None = None
+    max_gradient_norm: float | None = None
+    max_gradient_value: float | None = None
+    fp16_type: str = "float16"
+    mixed_precision: bool = True
+    policy: str = "cerebras"
+    growth_factor: float | None = None
+    backoff_factor: float | None = None
+    hysteresis: int | None = None
+    consecutive_hysteresis: bool = False
+    on_scale_floor: Literal["warn", "raise"] = "warn"
+    log_loss_scale: bool = False
+    extras: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.fp16_type not in FP16_TYPES:
+            raise ConfigError(
+                f"fp16_type: unknown format {self.fp16_type!r}; choose one of {', '.join(FP16_TYPES)}"
+            )
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy: unknown preset {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        ls = self.loss_scale
+        if isinstance(ls, str):
+            if ls != "dynamic":
+                raise ConfigError(f"loss_scale: expected 'dynamic', a number or None, got {ls!r}")
+        elif ls is not None:
+            v = _number("loss_scale", ls)
+            if v is None or v <= 0:
+                raise ConfigError(f"loss_scale: a static scale must be > 0, got {ls!r}")
+        for name in ("initial_loss_scale", "min_loss_scale", "max_loss_scale", "growth_factor",
+                     "backoff_factor", "max_gradient_norm", "max_gradient_value"):
+            v = _number(name, getattr(self, name))
+            if v is not None and v <= 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+        for name in ("steps_per_increase", "hysteresis"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{name}: expected a positive integer, got {v!r}")
+            if v <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+        tol = _number("overflow_tolerance", self.overflow_tolerance)
+        if tol is not None and not 0.0 <= tol < 1.0:
+            raise ConfigError(f"overflow_tolerance: must be in [0, 1), got {self.overflow_tolerance!r}")
+        if self.growth_factor is not None and self.growth_factor <= 1.0:
+            raise ConfigError(f"growth_factor: must be > 1, got {self.growth_factor!r}")
+        if self.backoff_factor is not None and not 0.0 < self.backoff_factor < 1.0:
+            raise ConfigError(f"backoff_factor: must be in (0, 1), got {self.backoff_factor!r}")
+        if self.max_gradient_norm is not None and self.max_gradient_value is not None:
+            raise ConfigError("max_gradient_norm and max_gradient_value: set at most one of them")
+        if self.on_scale_floor not in ("warn", "raise"):
+            raise ConfigError(f"on_scale_floor: expected 'warn' or 'raise', got {self.on_scale_floor!r}")
+        if not isinstance(self.mixed_precision, bool):
+            raise ConfigError(f"mixed_precision: expected a bool, got {self.mixed_precision!r}")
+        if self.min_scale > self.max_scale:
+            raise ConfigError(
+                f"min_loss_scale ({self.min_scale!r}) is greater than max_loss_scale ({self.max_scale!r})"
+            )
+        if self.initial_loss_scale is not None and not (
+            self.min_scale <= self.initial_loss_scale <= self.max_scale
+        ):
+            raise ConfigError(
+                f"initial_loss_scale: {self.initial_loss_scale!r} is outside "
+                f"[min_loss_scale, max_loss_scale] = [{self.min_scale!r}, {self.max_scale!r}]"
+            )
+
+    # ---- resolved values -------------------------------------------------------------------
+    @property
+    def defaults(self) -> PresetDefaults:
+        return preset_defaults(self.policy, self.fp16_type)
+
+    @property
+    def dynamic(self) -> bool:
+        """True when the scale changes over time (``loss_scale="dynamic"``) and DLS is useful."""
+        return self.loss_scale == "dynamic" and self.fp16_type != "bfloat16"
+
+    @property
+    def enabled(self) -> bool:
+        """True when any scaling happens (dynamic, or a static scale other than 1)."""
+        if self.loss_scale is None or self.fp16_type == "bfloat16":
+            return False
+        return self.loss_scale == "dynamic" or float(self.loss_scale) != 1.0
+
+    @property
+    def max_scale(self) -> float:
+        v = self.max_loss_scale
+        return float(v) if v is not None else self.defaults.max_loss_scale
+
+    @property
+    def min_scale(self) -> float:
+        v = self.min_loss_scale
+        return float(v) if v is not None else self.defaults.min_loss_scale
+
+    @property
+    def init_scale(self) -> float:
+        """The scale of the first step: explicit, static, or ``min(max, preset default)``."""
+        if not self.enabled:
+            return 1.0
+        if self.loss_scale != "dynamic":
+            return float(self.loss_scale)
+        if self.initial_loss_scale is not None:
+            return float(self.initial_loss_scale)
+        return max(min(self.max_scale, self.defaults.initial_loss_scale), self.min_scale)
+
+    @property
+    def growth_interval(self) -> int:
+        v = self.steps_per_increase
+        return int(v) if v is not None else self.defaults.steps_per_increase
+
+    @property
+    def tolerance(self) -> float:
+        return float(self.overflow_tolerance) if self.overflow_tolerance is not None else 0.0
+
+    @property
+    def growth(self) -> float:
+        return float(self.growth_factor) if self.growth_factor is not None else self.defaults.growth_factor
+
+    @property
+    def backoff(self) -> float:
+        return float(self.backoff_factor) if self.backoff_factor is not None else self.defaults.backoff_factor
+
+    @property
+    def hysteresis_steps(self) -> int:
+        return int(self.hysteresis) if self.hysteresis is not None else self.defaults.hysteresis
+
+    @property
+    def overflow_check(self) -> str:
+        """``"global_norm"`` (cerebras) or ``"all_finite"`` (the other presets)."""
+        return self.defaults.overflow_check
+
+    def to_dict(self) -> dict[str, Any]:
+        """The user-given fields, JSON-serialisable (used for export metadata)."""
+        out = {}
+        for name in self.__dataclass_fields__:
+            if name == "extras":
+                continue
+            out[name] = getattr(self, name)
+        if self.extras:
+            out["extras"] = dict(self.extras)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "<dict>") -> DLSConfig:
+        """Read a Model Zoo params dict (current or legacy layout) or a flat dlspass dict."""
+        from .modelzoo import config_from_params
+
+        return config_from_params(data, source=source)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> DLSConfig:
+        """Read the precision settings of a Model Zoo ``params.yaml``."""
+        from .modelzoo import config_from_yaml
+
+        return config_from_yaml(path)

@@ -1,0 +1,137 @@
+"""Node roles: how a captured training step says what each node is, so passes need not guess.
+
+A role lives in ``node.meta["custom"]`` (the one node-metadata dict that ``torch.export``
+save/load keeps) under ``"dlspass_role"``; the parameter, buffer or state entry it belongs to
+under ``"dlspass_target"``; and, for nodes a pass inserted, the pass under ``"dlspass_pass"``.
+
+The captured step graph (``dlspass.capture_step``) is a pure function
+
+    (params, buffers, optimizer_state, scaler_state, hyperparameters, batch)
+        -> (new_params, new_buffers, new_optimizer_state, new_scaler_state, loss)
+
+with placeholders in exactly that order and one flat output tuple in exactly that order.
+Placeholders carry PARAM, BUFFER, OPT_STATE, SCALER_STATE, HYPER or INPUT. Outputs are described
+positionally on the output node (``output.meta["custom"]["dlspass_outputs"]``: one
+``[role, target]`` per output, roles PARAM_UPDATE, BUFFER_UPDATE, OPT_STATE_UPDATE,
+SCALER_STATE_UPDATE, LOSS), because one node may be returned twice or be a placeholder passed
+through unchanged; output values that are computed nodes also carry their role themselves.
+The backward seed (``ones_like(loss)``) carries SEED and the gradient of each parameter, as
+backward produced it, carries GRAD with the parameter's name as target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch.fx as fx
+
+ROLE_KEY = "dlspass_role"
+TARGET_KEY = "dlspass_target"
+PASS_KEY = "dlspass_pass"
+
+# placeholders
+PARAM = "param"
+BUFFER = "buffer"
+OPT_STATE = "opt_state"
+SCALER_STATE = "scaler_state"
+HYPER = "hyper"
+INPUT = "input"
+# captured computation
+LOSS = "loss"
+SEED = "backward_seed"
+GRAD = "grad"
+PARAM_UPDATE = "param_update"
+BUFFER_UPDATE = "buffer_update"
+OPT_STATE_UPDATE = "opt_state_update"
+SCALER_STATE_UPDATE = "scaler_state_update"
+# inserted by the passes
+CAST = "cast"
+SCALED_SEED = "scaled_seed"
+UNSCALE = "unscale"
+GRAD_NORM = "grad_norm"
+ISFINITE = "isfinite"
+CLIP = "clip"
+GUARD = "guard"
+SCALE_UPDATE = "scale_update"
+
+PLACEHOLDER_ROLES = (PARAM, BUFFER, OPT_STATE, SCALER_STATE, HYPER, INPUT)
+OUTPUT_ROLES = (PARAM_UPDATE, BUFFER_UPDATE, OPT_STATE_UPDATE, SCALER_STATE_UPDATE, LOSS)
+
+
+def set_role(node: fx.Node, role: str, target: str | None = None, by_pass: str | None = None) -> fx.Node:
+    """Tag ``node`` with ``role`` (and the entry it belongs to, and the pass that made it)."""
+    custom = node.meta.setdefault("custom", {})
+    custom[ROLE_KEY] = role
+    if target is not None:
+        custom[TARGET_KEY] = target
+    if by_pass is not None:
+        custom[PASS_KEY] = by_pass
+    return node
+
+
+def role_of(node: fx.Node) -> str | None:
+    return node.meta.get("custom", {}).get(ROLE_KEY)
+
+
+def target_of(node: fx.Node) -> str | None:
+    return node.meta.get("custom", {}).get(TARGET_KEY)
+
+
+def pass_of(node: fx.Node) -> str | None:
+    return node.meta.get("custom", {}).get(PASS_KEY)
+
+
+def nodes_with_role(graph: fx.Graph, role: str | Iterable[str]) -> list[fx.Node]:
+    roles = {role} if isinstance(role, str) else set(role)
+    return [n for n in graph.nodes if role_of(n) in roles]
+
+
+def the_node(graph: fx.Graph, role: str) -> fx.Node:
+    """The single node with ``role``; a clear error when there is none or several."""
+    found = nodes_with_role(graph, role)
+    if len(found) != 1:
+        raise ValueError(f"expected exactly one node with role {role!r}, found {len(found)}")
+    return found[0]
+
+
+OUTPUTS_KEY = "dlspass_outputs"
+
+
+def set_output_roles(graph: fx.Graph, roles: list[tuple[str, str | None]]) -> None:
+    """Record the role and target of each output position of ``graph``."""
+    out = graph.output_node()
+    if len(roles) != len(output_values(graph)):
+        raise ValueError(f"{len(roles)} output roles for {len(output_values(graph))} outputs")
+    out.meta.setdefault("custom", {})[OUTPUTS_KEY] = [[r, t] for r, t in roles]
+
+
+def output_roles(graph: fx.Graph) -> list[tuple[str, str | None]]:
+    """``[(role, target)]`` per output position; empty when the graph has none recorded."""
+    spec = graph.output_node().meta.get("custom", {}).get(OUTPUTS_KEY, [])
+    return [(r, t) for r, t in spec]
+
+
+def output_value(graph: fx.Graph, role: str, target: str | None = None) -> tuple[int, fx.Node]:
+    """The output position and value with ``role`` (and ``target``)."""
+    vals = output_values(graph)
+    for i, (r, t) in enumerate(output_roles(graph)):
+        if r == role and (target is None or t == target):
+            return i, vals[i]
+    raise KeyError(f"no output with role {role!r} and target {target!r}")
+
+
+def output_values(graph: fx.Graph) -> list[fx.Node]:
+    """The flat list of values the graph returns (the captured step returns one flat tuple)."""
+    out = graph.output_node()
+    vals = out.args[0]
+    if isinstance(vals, fx.Node):
+        return [vals]
+    return list(vals)
+
+
+def iter_outputs_with_role(graph: fx.Graph, role: str) -> Iterator[tuple[int, str | None, fx.Node]]:
+    """``(position, target, value)`` of every output with ``role``."""
+    vals = output_values(graph)
+    for i, (r, t) in enumerate(output_roles(graph)):
+        if r == role:
+            yield i, t, vals[i]

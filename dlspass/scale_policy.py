@@ -1,0 +1,214 @@
+"""The scale policy as pure tensor functions: one definition for eager code and graphs.
+
+Every function here is written in torch ops with no Python branching on tensor values (only on
+the static `DLSConfig`), so the same code runs eagerly inside `dlspass.GradScaler` and traces
+with ``make_fx`` into a captured training step. All scale arithmetic is float32 (SPEC.md §1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .config import DLSConfig
+
+CLIP_EPS = 1e-6
+
+
+class ScalerState(NamedTuple):
+    """The scaler's state: a pytree of 0-d tensors, so a graph can carry it in and out."""
+
+    loss_scale: Tensor  # float32: the scale the next backward uses
+    steps_since_rescale: Tensor  # int64: updates since the scale last changed (torch: growth tracker)
+    overflows_since_rescale: Tensor  # int64
+    num_skipped_steps: Tensor  # int64: one per skipped iteration, however many optimizers
+    hysteresis: Tensor  # int64: overflows still absorbed before backing off (deepspeed/megatron)
+    non_clamped_scale: Tensor  # float32: the scale before the floor (cstorch get_non_clamped_scale)
+    floor_overflows: Tensor  # int64: overflows that wanted to push the scale below the floor
+
+
+STATE_FIELDS = ScalerState._fields
+STATE_DTYPES = {
+    name: (torch.float32 if name in ("loss_scale", "non_clamped_scale") else torch.int64)
+    for name in STATE_FIELDS
+}
+
+
+def init_state(config: DLSConfig, device: torch.device | str | None = None) -> ScalerState:
+    """The state of a fresh scaler for ``config``."""
+    scale = config.init_scale
+
+    def t(name: str, value: float) -> Tensor:
+        return torch.tensor(value, dtype=STATE_DTYPES[name], device=device)
+
+    return ScalerState(
+        loss_scale=t("loss_scale", scale),
+        steps_since_rescale=t("steps_since_rescale", 0),
+        overflows_since_rescale=t("overflows_since_rescale", 0),
+        num_skipped_steps=t("num_skipped_steps", 0),
+        hysteresis=t("hysteresis", config.hysteresis_steps),
+        non_clamped_scale=t("non_clamped_scale", scale),
+        floor_overflows=t("floor_overflows", 0),
+    )
+
+
+def _f32(x: float) -> float:
+    # Rounding a Python float to float32 first makes a comparison against a float32 tensor
+    # exact whatever precision the scalar is carried in (SPEC.md §1: 0.1 at 1/10).
+    return float(np.float32(x))
+
+
+def update_state(state: ScalerState, isfinite: Tensor, config: DLSConfig) -> ScalerState:
+    """One scale update after an iteration; ``isfinite`` is a 0-d bool tensor.
+
+    A static or disabled configuration leaves the state unchanged (no check, no skipping).
+    """
+    if not config.dynamic:
+        return state
+    ok = isfinite.to(torch.bool)
+    bad = ~ok
+    f = ok.to(torch.int64)
+    zero = torch.zeros_like(state.steps_since_rescale)
+    scale = state.loss_scale
+    steps = state.steps_since_rescale
+    ovf = state.overflows_since_rescale
+    hyst = state.hysteresis
+    growth, backoff, interval = _f32(config.growth), _f32(config.backoff), config.growth_interval
+
+    if config.policy == "cerebras":
+        steps = steps + 1
+        ovf = ovf + (1 - f)
+        ratio = ovf.to(torch.float32) / steps.to(torch.float32)
+        shrink = ratio > _f32(config.tolerance)
+        scale = torch.where(shrink, scale * backoff, scale)
+        steps = torch.where(shrink, zero, steps)
+        ovf = torch.where(shrink, zero, ovf)
+        grow = steps > interval
+        scale = torch.where(grow, scale * growth, scale)
+        steps = torch.where(grow, zero, steps)
+        ovf = torch.where(grow, zero, ovf)
+    elif config.policy in ("torch", "keras"):
+        scale = torch.where(bad, scale * backoff, scale)
+        steps = torch.where(bad, zero, steps + 1)
+        grow = steps == interval
+        grown = scale * growth
+        if config.policy == "torch":
+            # torch refuses a growth that would overflow float32
+            grow_ok = grow & torch.isfinite(grown)
+        else:
+            grow_ok = grow
+        scale = torch.where(grow_ok, grown, scale)
+        steps = torch.where(grow, zero, steps)
+    elif config.policy == "deepspeed":
+        full = torch.full_like(hyst, config.hysteresis_steps)
+        at_last = hyst <= 1
+        scale = torch.where(bad & at_last, scale * backoff, scale)
+        hyst = torch.where(bad & ~at_last, hyst - 1, hyst)
+        steps = torch.where(bad, zero, steps + 1)
+        if config.consecutive_hysteresis:
+            hyst = torch.where(ok, full, hyst)
+        grow = ok & (steps == interval)
+        scale = torch.where(grow, scale * growth, scale)
+        steps = torch.where(grow, zero, steps)
+        if not config.consecutive_hysteresis:
+            hyst = torch.where(grow, full, hyst)
+    elif config.policy == "megatron":
+        full = torch.full_like(hyst, config.hysteresis_steps)
+        hyst = torch.where(bad, hyst - 1, hyst)
+        scale = torch.where(bad & (hyst <= 0), scale * backoff, scale)
+        steps = torch.where(bad, zero, steps + 1)
+        grow = ok & (steps == interval)
+        scale = torch.where(grow, scale * growth, scale)
+        steps = torch.where(grow, zero, steps)
+        hyst = torch.where(grow, full, hyst)
+    else:  # pragma: no cover - DLSConfig validates the policy
+        raise ValueError(config.policy)
+
+    pre = torch.clamp(scale, max=_f32(config.max_scale))
+    new_scale = torch.clamp(pre, min=_f32(config.min_scale))
+    floor_hit = bad & (pre < _f32(config.min_scale))
+    return ScalerState(
+        loss_scale=new_scale,
+        steps_since_rescale=steps,
+        overflows_since_rescale=ovf,
+        num_skipped_steps=state.num_skipped_steps + (1 - f),
+        hysteresis=hyst,
+        non_clamped_scale=pre,
+        floor_overflows=state.floor_overflows + floor_hit.to(torch.int64),
+    )
+
+
+def unscale(grads: Sequence[Tensor], loss_scale: Tensor) -> list[Tensor]:
+    """Gradients divided by the scale, in float32 (fp16 gradients are accepted)."""
+    inv = torch.reciprocal(loss_scale.to(torch.float32))
+    return [g.to(torch.float32) * inv for g in grads]
+
+
+def global_norm(grads: Sequence[Tensor]) -> Tensor:
+    """``sqrt(sum over grads of sum(g*g))`` in float32; inf/NaN carry through."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    total = torch.stack([torch.sum(g.to(torch.float32) * g.to(torch.float32)) for g in grads]).sum()
+    return torch.sqrt(total)
+
+
+def all_finite(grads: Sequence[Tensor]) -> Tensor:
+    """A 0-d bool tensor: True when every element of every gradient is finite."""
+    if not grads:
+        return torch.ones((), dtype=torch.bool)
+    return torch.stack([torch.isfinite(g).all() for g in grads]).all()
+
+
+def check_overflow(unscaled: Sequence[Tensor], config: DLSConfig) -> tuple[Tensor, Tensor | None]:
+    """``(isfinite, norm)`` on the unscaled gradients by the policy's method.
+
+    cerebras: ``isfinite = global_norm < inf`` (NaN counts as overflow; so do finite gradients
+    whose squares overflow float32). The others: every element finite. ``norm`` is returned
+    when it was computed (cerebras, or when clipping needs it), else None.
+    """
+    norm = None
+    if config.overflow_check == "global_norm" or config.max_gradient_norm is not None:
+        norm = global_norm(unscaled)
+    if config.overflow_check == "global_norm":
+        assert norm is not None
+        isfinite = norm < float("inf")
+    else:
+        isfinite = all_finite(unscaled)
+    return isfinite, norm
+
+
+def clip(unscaled: Sequence[Tensor], norm: Tensor | None, config: DLSConfig) -> list[Tensor]:
+    """Global-norm clipping (``max_gradient_norm``) or value clipping (``max_gradient_value``)."""
+    out = list(unscaled)
+    if config.max_gradient_norm is not None:
+        assert norm is not None
+        coef = torch.clamp(config.max_gradient_norm / (norm + CLIP_EPS), max=1.0)
+        out = [g * coef for g in out]
+    if config.max_gradient_value is not None:
+        v = config.max_gradient_value
+        out = [torch.clamp(g, -v, v) for g in out]
+    return out
+
+
+def dls_tail(
+    grads: Sequence[Tensor], loss_scale: Tensor, config: DLSConfig
+) -> tuple[list[Tensor], Tensor, Tensor | None]:
+    """Unscale, check and clip: ``(grads for the optimizer, isfinite, norm)``.
+
+    With scaling disabled the gradients are only cast to float32 and clipped, and ``isfinite``
+    is True (a static scale checks nothing and skips nothing, as in cstorch).
+    """
+    if config.enabled:
+        unscaled = unscale(grads, loss_scale)
+    else:
+        unscaled = [g.to(torch.float32) for g in grads]
+    if config.dynamic:
+        isfinite, norm = check_overflow(unscaled, config)
+    else:
+        isfinite = torch.ones((), dtype=torch.bool, device=loss_scale.device)
+        norm = global_norm(unscaled) if config.max_gradient_norm is not None else None
+    return clip(unscaled, norm, config), isfinite, norm
