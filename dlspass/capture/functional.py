@@ -1,0 +1,339 @@
+"""Capture one training step (forward, backward, optimizer update) as one pure ATen FX graph.
+
+``trace_step`` builds the role-tagged graph with ``make_fx`` over ``torch.func`` (the capture
+contract is in ``dlspass/roles.py``); ``capture_step`` adds the DLS rewrite and returns a
+callable that runs the graph and writes parameters, buffers, optimizer state and scaler state
+back into the user's objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+from torch._decomp import get_decompositions
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .. import roles
+from ..config import DLSConfig
+from ..marks import mark, resolve_marks
+from ..scale_policy import STATE_FIELDS, ScalerState, init_state
+
+
+# native_batch_norm mutates its running statistics without declaring it in its schema, so
+# functionalization cannot see the mutation; its decomposition makes the update explicit.
+_DECOMPOSITIONS = get_decompositions([torch.ops.aten.native_batch_norm.default])
+
+
+class CaptureError(RuntimeError):
+    """The training step cannot be captured as one graph; the message says why."""
+
+
+class _LossModule(nn.Module):
+    """``loss_fn(model, batch)`` as a module, so ``functional_call`` can swap in tensors."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> Tensor:
+        return self.loss_fn(self.model, batch)
+
+
+@dataclass
+class StepLayout:
+    """Names of every placeholder group, in graph order, and the batch structure."""
+
+    params: list[str]
+    trainable: list[str]
+    buffers: list[str]
+    opt_state: list[str]
+    hyper: list[str]
+    batch_spec: pytree.TreeSpec
+    batch_consts: list[Any]  # non-tensor leaves of the batch, baked into the graph
+    batch_is_tensor: list[bool]
+    updated_params: list[str]
+
+    @property
+    def n_inputs(self) -> int:
+        return (len(self.params) + len(self.buffers) + len(self.opt_state) + len(STATE_FIELDS)
+                + len(self.hyper) + sum(self.batch_is_tensor))
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _check_params(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            raise CaptureError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be trained")
+
+
+def _split_batch(batch: Any) -> tuple[list[Any], pytree.TreeSpec, list[bool]]:
+    leaves, spec = pytree.tree_flatten(batch)
+    return leaves, spec, [isinstance(x, Tensor) for x in leaves]
+
+
+def trace_step(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], Tensor],
+    optimizer: torch.optim.Optimizer,
+    example_batch: Any,
+    config: DLSConfig | None = None,
+) -> tuple[fx.GraphModule, StepLayout, Any]:
+    """The un-rewritten, role-tagged step graph, its input layout and the functional optimizer."""
+    from .optim import functionalize
+
+    _check_params(model)
+    names = _param_names(model)
+    fopt = functionalize(optimizer, names)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    opt_state = fopt.state_tensors()
+    hyper = fopt.hyper_tensors()
+    in_opt = {names[id(p)] for g in optimizer.param_groups for p in g["params"]}
+    trainable = [n for n, p in params.items() if p.requires_grad]
+    updated = [n for n in params if n in in_opt]
+    leaves, spec, is_tensor = _split_batch(example_batch)
+    if not any(is_tensor):
+        raise CaptureError("the example batch holds no tensor")
+    layout = StepLayout(
+        params=list(params), trainable=trainable, buffers=list(buffers), opt_state=list(opt_state),
+        hyper=list(hyper), batch_spec=spec, batch_consts=[x for x, t in zip(leaves, is_tensor) if not t],
+        batch_is_tensor=is_tensor, updated_params=updated,
+    )
+    state0 = init_state(config or DLSConfig(loss_scale=None))
+    wrapper = _LossModule(model, loss_fn)
+    n_p, n_b, n_o, n_s, n_h = (len(layout.params), len(layout.buffers), len(layout.opt_state),
+                               len(STATE_FIELDS), len(layout.hyper))
+
+    def flat_step(*flat: Tensor) -> tuple[Tensor, ...]:
+        it = iter(flat)
+        p_in = {k: next(it) for k in layout.params}
+        b_in = {k: next(it) for k in layout.buffers}
+        o_in = {k: next(it) for k in layout.opt_state}
+        s_in = ScalerState(*[next(it) for _ in range(n_s)])
+        h_in = {k: next(it) for k in layout.hyper}
+        consts = iter(layout.batch_consts)
+        batch = pytree.tree_unflatten(
+            [next(it) if t else next(consts) for t in layout.batch_is_tensor], layout.batch_spec)
+        frozen = {k: v for k, v in p_in.items() if k not in trainable}
+
+        def forward(p_train: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+            # clones inside the transform: BatchNorm may update running statistics in place
+            b = {k: v.clone() for k, v in b_in.items()}
+            state = {f"model.{k}": v for k, v in {**p_train, **frozen, **b}.items()}
+            loss = torch.func.functional_call(wrapper, state, (batch,))
+            return loss, b
+
+        loss, vjp_fn, new_b = torch.func.vjp(forward, {k: p_in[k] for k in trainable}, has_aux=True)
+        if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+            raise CaptureError(
+                f"loss_fn must return a scalar floating-point tensor, got "
+                f"{type(loss).__name__ if not isinstance(loss, Tensor) else f'{loss.dtype} of shape {tuple(loss.shape)}'}")
+        loss = mark(loss, roles.LOSS)
+        seed = mark(torch.ones_like(loss), roles.SEED)
+        (grads,) = vjp_fn(seed)
+        grads = {k: mark(g, roles.GRAD, k) for k, g in grads.items() if k in in_opt}
+        new_p, new_o = fopt.update({k: p_in[k] for k in updated}, grads, o_in, h_in)
+        return (*[new_p[k] for k in updated], *[new_b[k] for k in layout.buffers],
+                *[new_o[k] for k in layout.opt_state], *s_in, loss)
+
+    flat_in = [*params.values(), *buffers.values(), *opt_state.values(), *state0, *hyper.values(),
+               *[x for x in leaves if isinstance(x, Tensor)]]
+    flat_in = [x.detach() for x in flat_in]
+    try:
+        gm = make_fx(torch.func.functionalize(flat_step, remove="mutations_and_views"),
+                     tracing_mode="fake", decomposition_table=_DECOMPOSITIONS)(*flat_in)
+    except CaptureError:
+        raise
+    except Exception as e:  # dynamic shapes / data-dependent control flow surface here
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "data-dependent" in msg.lower() or "DataDependent" in type(e).__name__:
+            raise CaptureError(
+                "the step uses Python control flow on tensor values (e.g. `if loss > 0:`), which "
+                f"one graph cannot capture; use torch.where instead ({type(e).__name__}: {msg})") from e
+        raise CaptureError(f"could not trace the training step: {type(e).__name__}: {msg}") from e
+    _drop_copy_back(gm)
+    resolve_marks(gm)
+    _tag_io(gm, layout, n_p, n_b, n_o, n_s, n_h)
+    return gm, layout, fopt
+
+
+def _drop_copy_back(gm: fx.GraphModule) -> None:
+    """Replace the trailing ``copy_(clone, new)`` that functionalize leaves for the buffers
+    cloned inside the vjp by ``new`` itself, so the graph is free of mutation."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
+            continue
+        dst, src = node.args[:2]
+        dv, sv = dst.meta.get("val"), src.meta.get("val")
+        if dv is None or sv is None or dv.shape != sv.shape or dv.dtype != sv.dtype:
+            raise CaptureError(f"cannot functionalize the in-place copy {node.name}")
+        for user in list(dst.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(dst, src)
+        node.replace_all_uses_with(src)
+        gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+
+
+def _tag_io(gm: fx.GraphModule, layout: StepLayout, n_p: int, n_b: int, n_o: int, n_s: int,
+            n_h: int) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tags = ([(roles.PARAM, k) for k in layout.params] + [(roles.BUFFER, k) for k in layout.buffers]
+            + [(roles.OPT_STATE, k) for k in layout.opt_state]
+            + [(roles.SCALER_STATE, k) for k in STATE_FIELDS]
+            + [(roles.HYPER, k) for k in layout.hyper])
+    tags += [(roles.INPUT, f"batch.{i}") for i in range(len(placeholders) - len(tags))]
+    for node, (role, target) in zip(placeholders, tags):
+        roles.set_role(node, role, target)
+        node.name = node.target = _safe(f"{role}__{target}")
+    out_roles = ([(roles.PARAM_UPDATE, k) for k in layout.updated_params]
+                 + [(roles.BUFFER_UPDATE, k) for k in layout.buffers]
+                 + [(roles.OPT_STATE_UPDATE, k) for k in layout.opt_state]
+                 + [(roles.SCALER_STATE_UPDATE, k) for k in STATE_FIELDS] + [(roles.LOSS, None)])
+    roles.set_output_roles(gm.graph, out_roles)
+    for node, (role, target) in zip(roles.output_values(gm.graph), out_roles):
+        if isinstance(node, fx.Node) and node.op != "placeholder" and roles.role_of(node) is None:
+            roles.set_role(node, role, target)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+class CapturedStep:
+    """One training step as a graph: ``loss = step(batch)`` updates everything in place.
+
+    Attributes: ``graph_module`` (the rewritten FX GraphModule), ``scaler`` (a
+    ``dlspass.GradScaler`` holding the DLS state), ``config``, ``layout``.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, gm: fx.GraphModule,
+                 layout: StepLayout, fopt: Any, scaler: Any, config: DLSConfig | None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.graph_module = gm
+        self.layout = layout
+        self.config = config
+        self.scaler = scaler
+        self._fopt = fopt
+        self._static = fopt.static_signature()
+        self._runner: Callable[..., Any] = gm
+        self.num_calls = 0
+
+    def _inputs_for(self, batch_leaves: list[Tensor]) -> list[Tensor]:
+        model = self.model
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        ost = self._fopt.state_tensors()
+        hyp = self._fopt.hyper_tensors()
+        if list(ost) != self.layout.opt_state or list(hyp) != self.layout.hyper:
+            raise CaptureError("the optimizer's state layout changed since capture; capture the step again")
+        return [*(params[k].detach() for k in self.layout.params),
+                *(buffers[k] for k in self.layout.buffers), *ost.values(), *self.scaler.state,
+                *hyp.values(), *batch_leaves]
+
+    def _batch_leaves(self, batch: Any) -> list[Tensor]:
+        leaves, spec, is_tensor = _split_batch(batch)
+        if spec != self.layout.batch_spec or is_tensor != self.layout.batch_is_tensor:
+            raise CaptureError(f"batch structure {spec} differs from the captured {self.layout.batch_spec}")
+        consts = [x for x, t in zip(leaves, is_tensor) if not t]
+        if consts != self.layout.batch_consts:
+            raise CaptureError("non-tensor batch values differ from the captured ones; capture again")
+        return [x for x in leaves if isinstance(x, Tensor)]
+
+    def __call__(self, batch: Any) -> Tensor:
+        if self._fopt.static_signature() != self._static:
+            raise CaptureError("an optimizer option baked into the graph changed (e.g. nesterov, "
+                               "amsgrad); capture the step again")
+        flat = self._inputs_for(self._batch_leaves(batch))
+        with torch.no_grad():
+            out = list(self._runner(*flat))
+        self._write_back(out)
+        self.num_calls += 1
+        return out[-1]
+
+    def _write_back(self, out: list[Tensor]) -> None:
+        lay = self.layout
+        it = iter(out)
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for k in lay.updated_params:
+                params[k].copy_(next(it))
+            for k in lay.buffers:
+                buffers[k].copy_(next(it))
+        self._fopt.write_back({k: next(it) for k in lay.opt_state})
+        self.scaler.state = ScalerState(*[next(it) for _ in STATE_FIELDS])
+
+
+def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx
+
+    from ..formats import decompose_rounding
+
+    gm = copy_graph_module(gm)
+    decompose_rounding(gm)
+    return compile_fx(gm, example)
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    import copy
+
+    return copy.deepcopy(gm)
+
+
+def _make_scaler(config: DLSConfig | None) -> Any:
+    from ..scaler import GradScaler
+
+    return GradScaler(config=config or DLSConfig(loss_scale=None, mixed_precision=False))
+
+
+def capture_step(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], Tensor],
+    optimizer: torch.optim.Optimizer,
+    example_batch: Any,
+    config: DLSConfig | None = None,
+    *,
+    compile: bool = False,
+    precision_mode: str = "emulate",
+) -> CapturedStep:
+    """Capture ``loss_fn(model, batch)`` + backward + ``optimizer`` as one graph, with DLS.
+
+    ``config=None`` means fp32 with no scaling (the pipeline only captures). The returned
+    step runs eagerly by default and through inductor with ``compile=True``.
+
+    Example:
+        >>> import torch, dlspass
+        >>> from dlspass.models import MLP, mse_loss
+        >>> model = MLP(); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> batch = (torch.randn(4, 8), torch.randn(4, 4))
+        >>> step = dlspass.capture_step(model, mse_loss, opt, batch,
+        ...                             config=dlspass.DLSConfig(mixed_precision=False))
+        >>> loss = step(batch)
+        >>> float(step.scaler.get_scale())
+        32768.0
+    """
+    from dlspass.passes import apply_dls
+
+    gm, layout, fopt = trace_step(model, loss_fn, optimizer, example_batch, config)
+    gm = apply_dls(gm, config, precision_mode=precision_mode)
+    scaler = _make_scaler(config)
+    step = CapturedStep(model, optimizer, gm, layout, fopt, scaler, config)
+    if compile:
+        leaves = step._batch_leaves(example_batch)
+        step._runner = _inductor(gm, step._inputs_for(leaves))
+    return step

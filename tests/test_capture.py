@@ -1,0 +1,219 @@
+"""capture_step: the captured graph against eager torch.optim and the eager dlspass.GradScaler."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dlspass
+from dlspass import roles
+from dlspass.capture.functional import CaptureError
+from dlspass.models import MLP, SmallCNN, TinyGPT, copy_task_batch
+
+OVERFLOW_STEPS = {3, 7, 8, 15}
+STEPS = 20
+
+
+def mlp_loss(model, batch):
+    return F.mse_loss(model(batch["x"]), batch["y"]) * batch["mult"]
+
+
+def cnn_loss(model, batch):
+    x, y, mult = batch
+    return F.cross_entropy(model(x), y) * mult
+
+
+def gpt_loss(model, batch):
+    idx, tgt, mult = batch
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1)) * mult
+
+
+def make_case(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        model = MLP()
+
+        def batch(i, mult=1.0):
+            g = torch.Generator().manual_seed(100 + i)
+            return {"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g),
+                    "mult": torch.tensor(mult)}
+
+        return model, mlp_loss, batch
+    if name == "cnn":
+        model = SmallCNN()
+
+        def batch(i, mult=1.0):
+            g = torch.Generator().manual_seed(100 + i)
+            return (torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g),
+                    torch.tensor(mult))
+
+        return model, cnn_loss, batch
+    model = TinyGPT(vocab=32, d=16, n_layer=1, n_head=2, block_size=16)
+    del gen
+
+    def batch(i, mult=1.0):
+        g = torch.Generator().manual_seed(100 + i)
+        idx, tgt = copy_task_batch(32, 4, 12, g)
+        return idx, tgt, torch.tensor(mult)
+
+    return model, gpt_loss, batch
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-4),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+}
+
+
+def _state_snapshot(model, opt):
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = {(i, k): (v.clone() if torch.is_tensor(v) else v)
+             for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
+             for k, v in opt.state.get(p, {}).items()}
+    return params, state
+
+
+def _assert_close(a, b, rtol=1e-6, atol=1e-7):
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k], b[k]
+        if torch.is_tensor(x):
+            torch.testing.assert_close(x.float(), torch.as_tensor(y).float(), rtol=rtol, atol=atol,
+                                       msg=lambda m, k=k: f"{k}: {m}")
+        else:
+            assert x == y, k
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "cnn", "gpt"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adamw"])
+def test_fp32_dls_step_matches_eager_gradscaler(model_name, opt_name):
+    model, loss_fn, batch = make_case(model_name)
+    ref_model = copy.deepcopy(model)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    ref_opt = OPTIMIZERS[opt_name](ref_model.parameters())
+    cfg = dlspass.DLSConfig(mixed_precision=False, initial_loss_scale=2.0**10, steps_per_increase=3)
+    step = dlspass.capture_step(model, loss_fn, opt, batch(0), config=cfg)
+    ref_scaler = dlspass.GradScaler(config=cfg)
+    for i in range(STEPS):
+        mult = float("inf") if i in OVERFLOW_STEPS else 1.0
+        b = batch(i, mult)
+        before = _state_snapshot(model, opt)
+        loss = step(b)
+        ref_loss = loss_fn(ref_model, b)
+        ref_scaler.scale(ref_loss).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        assert step.scaler.get_scale().item() == ref_scaler.get_scale().item(), i
+        assert step.scaler.get_num_skipped_steps().item() == ref_scaler.get_num_skipped_steps().item()
+        if i in OVERFLOW_STEPS:
+            after = _state_snapshot(model, opt)
+            for k in before[0]:
+                assert torch.equal(before[0][k], after[0][k]), (i, k)
+            for k in before[1]:
+                assert torch.equal(torch.as_tensor(before[1][k]), torch.as_tensor(after[1][k])), (i, k)
+        else:
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=1e-7)
+        _assert_close(dict(model.named_parameters()), dict(ref_model.named_parameters()))
+        mine, ref = _state_snapshot(model, opt)[1], _state_snapshot(ref_model, ref_opt)[1]
+        _assert_close(mine, ref)
+    assert step.scaler.get_num_skipped_steps().item() == len(OVERFLOW_STEPS)
+    for p in model.parameters():
+        assert torch.isfinite(p).all()
+
+
+def test_no_config_captures_plain_fp32_step():
+    model, loss_fn, batch = make_case("cnn")
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    step = dlspass.capture_step(model, loss_fn, opt, batch(0))
+    assert not any(roles.pass_of(n) for n in step.graph_module.graph.nodes)
+    for i in range(5):
+        step(batch(i))
+        loss = loss_fn(ref, batch(i))
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_close(dict(model.named_parameters()), dict(ref.named_parameters()), rtol=1e-5, atol=1e-6)
+    _assert_close(dict(model.named_buffers()), dict(ref.named_buffers()), rtol=1e-5, atol=1e-6)
+
+
+def test_lr_scheduler_changes_lr_without_retrace():
+    model, loss_fn, batch = make_case("mlp")
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
+    step = dlspass.capture_step(model, loss_fn, opt, batch(0),
+                                config=dlspass.DLSConfig(mixed_precision=False))
+    graph_code = step.graph_module.code
+    for i in range(6):
+        step(batch(i))
+        sched.step()
+        loss = loss_fn(ref, batch(i)) * 1.0
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+    assert step.graph_module.code == graph_code
+    _assert_close(dict(model.named_parameters()), dict(ref.named_parameters()), rtol=1e-5, atol=1e-6)
+
+
+def test_every_tensor_leaf_is_an_input_including_0d():
+    model, loss_fn, batch = make_case("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = dlspass.capture_step(model, loss_fn, opt, batch(0))
+    inputs = [n for n in step.graph_module.graph.nodes if roles.role_of(n) == roles.INPUT]
+    assert len(inputs) == 3
+
+
+def test_error_loss_not_scalar():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CaptureError, match="scalar floating-point"):
+        dlspass.capture_step(model, lambda m, b: m(b), opt, torch.randn(2, 8))
+
+
+def test_error_integer_parameter():
+    model = MLP()
+    model.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.is_floating_point()], lr=0.1)
+    with pytest.raises(CaptureError, match="count"):
+        dlspass.capture_step(model, lambda m, b: m(b).sum(), opt, torch.randn(2, 8))
+
+
+def test_error_unsupported_optimizer_names_supported_ones():
+    model = MLP()
+    opt = torch.optim.RMSprop(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="RMSprop.*SGD|SGD.*RMSprop"):
+        dlspass.capture_step(model, lambda m, b: m(b).sum(), opt, torch.randn(2, 8))
+
+
+def test_error_python_control_flow_on_tensor_values():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(m, b):
+        loss = m(b).pow(2).mean()
+        if loss > 1.0:
+            return loss * 2
+        return loss
+
+    with pytest.raises(CaptureError, match="control flow"):
+        dlspass.capture_step(model, loss_fn, opt, torch.randn(2, 8))
+
+
+def test_batch_structure_mismatch_is_an_error():
+    model, loss_fn, batch = make_case("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = dlspass.capture_step(model, loss_fn, opt, batch(0))
+    with pytest.raises(CaptureError, match="batch structure"):
+        step((batch(0)["x"], batch(0)["y"]))
