@@ -1,0 +1,272 @@
+"""The dlspass CLI (help, exit codes, one-line errors) and the cbfloat16 demo."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dlspass import cli
+from dlspass.config import ConfigError
+from dlspass.demo import emulate_format, run_demo
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(sys.executable).with_name("dlspass")
+
+
+def _cli_cmd() -> list[str]:
+    # The console script when it is installed, else the module (same `main`).
+    return [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "dlspass.cli"]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "100"}
+    env.pop("DLSPASS_DEBUG", None)
+    return subprocess.run([*_cli_cmd(), *args], capture_output=True, text=True, cwd=ROOT,
+                          stdin=subprocess.DEVNULL, timeout=timeout, env=env)
+
+
+# ---- subprocess: the real entry point -----------------------------------------------------------
+def test_help_shows_examples_on_stdout():
+    res = _run("--help")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    assert "Examples" in res.stdout
+    assert "dlspass demo --steps 20" in res.stdout
+    assert "Exit codes" in res.stdout
+    assert re.search(r"demo\s+Train the bundled TinyGPT", res.stdout)
+
+
+def test_module_entry_point_help():
+    res = subprocess.run([sys.executable, "-m", "dlspass.cli", "demo", "--help"],
+                         capture_output=True, text=True, cwd=ROOT, stdin=subprocess.DEVNULL,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "--steps" in res.stdout and "--out-dir" in res.stdout
+
+
+def test_demo_20_steps_loss_drops_no_terminal():
+    res = _run("demo", "--steps", "20")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    start = float(re.search(r"start loss\s+([0-9.]+)", out).group(1))
+    end = float(re.search(r"end loss\s+([0-9.]+)", out).group(1))
+    assert end < start - 0.05, out
+    # Initial loss of an untrained 16-token model is about ln(16).
+    assert abs(start - math.log(16)) < 0.5
+    assert re.search(r"final scale\s+\S+ \(2\^\d+\)", out)
+    assert re.search(r"skipped steps\s+\d+", out)
+    # Progress goes to stderr, the results to stdout only.
+    assert "20/20" in res.stderr and "scale=2^" in res.stderr
+    assert "20/20" not in out
+
+
+def test_bad_option_is_exit_2_with_one_stderr_line():
+    res = _run("demo", "--bogus")
+    assert res.returncode == 2
+    assert res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("dlspass: error: ") and "--bogus" in lines[0]
+
+
+# ---- in-process: cli.run returns the exit code --------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["demo", "--steps", "0"], "'--steps'"),
+        (["demo", "--steps", "many"], "'--steps'"),
+        (["nope"], "No such command 'nope'"),
+        (["demo", "--out-dir", "/proc/no/such/dir", "-q", "--steps", "1"], "/proc/no/such/dir"),
+    ],
+)
+def test_usage_errors_one_line(argv, fragment, capsys):
+    assert cli.run(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dlspass: error: ") and fragment in lines[0]
+
+
+def test_bare_dlspass_prints_help_and_succeeds(capsys):
+    assert cli.run([]) == 0
+    assert "Examples" in capsys.readouterr().out
+
+
+def test_main_exits_with_run_code(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", "--bogus"])
+    assert info.value.code == 2
+    capsys.readouterr()
+
+
+def test_demo_json_and_out_dir(tmp_path, capsys):
+    out_dir = tmp_path / "runs" / "demo"
+    assert cli.run(["demo", "--steps", "3", "--json", "-q", "--out-dir", str(out_dir)]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert captured.err == ""  # --quiet: no progress bar
+    assert result["steps"] == 3 and len(result["losses"]) == 3
+    on_disk = json.loads((out_dir / "demo_metrics.json").read_text())
+    assert on_disk == result
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.fixture
+def temp_command():
+    """Register a throwaway command that raises what the test asks for, then remove it."""
+    box: dict[str, BaseException] = {}
+
+    def explode() -> None:
+        raise box["exc"]
+
+    before = list(cli.app.registered_commands)
+    cli.app.command("explode")(explode)
+    yield box
+    cli.app.registered_commands[:] = before
+
+
+def test_config_error_is_exit_2_one_line(temp_command, capsys):
+    temp_command["exc"] = ConfigError("params.yaml: trainer.init.precision.x: unknown precision key")
+    assert cli.run(["explode"]) == 2
+    err = capsys.readouterr().err
+    assert err == "dlspass: error: params.yaml: trainer.init.precision.x: unknown precision key\n"
+
+
+def test_missing_file_is_exit_2(temp_command, capsys):
+    temp_command["exc"] = FileNotFoundError(2, "No such file or directory", "model.pt2")
+    assert cli.run(["explode"]) == 2
+    assert capsys.readouterr().err == "dlspass: error: model.pt2: No such file or directory\n"
+
+
+def test_verification_error_is_exit_1(temp_command, capsys):
+    verify = pytest.importorskip("dlspass.verify")
+    temp_command["exc"] = verify.VerificationError("unscale node missing\nfor grad of fc1.weight")
+    assert cli.run(["explode"]) == 1
+    err = capsys.readouterr().err
+    assert err == "dlspass: verification failed: unscale node missing for grad of fc1.weight\n"
+
+
+def test_internal_error_keeps_traceback_and_exit_3(temp_command, capsys, monkeypatch):
+    monkeypatch.delenv("DLSPASS_DEBUG", raising=False)
+    temp_command["exc"] = _Boom("a bug")
+    assert cli.run(["explode"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "dlspass: internal error: a bug" in err
+    monkeypatch.setenv("DLSPASS_DEBUG", "1")
+    with pytest.raises(_Boom):
+        cli.run(["explode"])
+
+
+# ---- the demo's cbfloat16 emulation -------------------------------------------------------------
+def _cb16_representable(t: torch.Tensor) -> bool:
+    """True if every value is a cbfloat16 value (1-6-9, bias 31, subnormals), checked in float64.
+
+    Independent of dlspass.formats: a finite value is representable when value * 2**(9 - e)
+    is an integer, with e its binary exponent clamped to the normal minimum -30, and
+    |value| <= 2**32 - 2**22.
+    """
+    v = t.detach().double().flatten()
+    v = v[torch.isfinite(v) & (v != 0)]
+    if v.numel() == 0:
+        return True
+    if (v.abs() > 2.0**32 - 2.0**22).any():
+        return False
+    e = torch.floor(torch.log2(v.abs())).clamp(min=-30)
+    scaled = v * torch.exp2(9 - e)
+    return bool((scaled == torch.round(scaled)).all())
+
+
+def test_representability_check_itself():
+    assert _cb16_representable(torch.tensor([1.0, 1 + 2**-9, 2.0**-39, 3 * 2.0**-39, -4290772992.0]))
+    assert not _cb16_representable(torch.tensor([1 + 2**-10]))
+    assert not _cb16_representable(torch.tensor([2.0**-40]))
+    assert not _cb16_representable(torch.tensor([65504.0]))
+
+
+def test_emulate_format_rounds_linear_io_and_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    seen: dict[str, list[torch.Tensor]] = {"in": [], "out": [], "grad_out": [], "grad_in": []}
+
+    def pre(_m, args):
+        x = args[0]
+        seen["in"].append(x.detach().clone())
+        if x.requires_grad:
+            x.register_hook(lambda g: seen["grad_in"].append(g.clone()))
+
+    def post(_m, _args, out):
+        seen["out"].append(out.detach().clone())
+        out.register_hook(lambda g: seen["grad_out"].append(g.clone()))
+
+    x = torch.randn(32, 8, requires_grad=True)
+    with emulate_format(model, "cbfloat16") as n_linear:
+        assert n_linear == 2
+        # registered after the emulation's hooks, so they observe the rounded tensors
+        handles = [h for m in model if isinstance(m, nn.Linear)
+                   for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+        loss = model(x).pow(2).sum() * 1e3
+        loss.backward()
+        for h in handles:
+            h.remove()
+    for key in seen:
+        assert seen[key], key
+        for t in seen[key]:
+            assert _cb16_representable(t), key
+    # the hooks are gone after the block: the same forward no longer rounds
+    out = model[0](x)
+    assert not _cb16_representable(out)
+
+
+def test_run_demo_is_deterministic_and_uses_cbfloat16_defaults():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = run_demo(steps=3, seed=1, quiet=True)
+        assert torch.get_num_threads() == 2  # the demo's single-thread setting is undone
+    finally:
+        torch.set_num_threads(threads)
+    b = run_demo(steps=3, seed=1, quiet=True)
+    assert a["losses"] == b["losses"] and a["end_loss"] == b["end_loss"]
+    assert a["initial_scale"] == 2.0**31  # SPEC §1: cbfloat16 starts at 2**31
+    assert a["scales"][0] == 2.0**31
+    assert a["skipped"] == [0, 0, 0] and a["skipped_steps"] == 0
+    c = run_demo(steps=3, seed=2, quiet=True)
+    assert c["losses"] != a["losses"]
+
+
+@pytest.mark.parametrize("steps", [0, -1, 2.5, True])
+def test_run_demo_rejects_bad_steps(steps):
+    with pytest.raises(ValueError, match="steps: expected a positive integer"):
+        run_demo(steps=steps, quiet=True)
+
+
+def test_spikes_follow_the_hand_worked_dls_trace():
+    # cerebras policy, cbfloat16, steps_per_increase=10 (the demo's), spikes at steps 3, 4, 20:
+    # 3 overflows at 2**31 -> 2**30; 4 overflows -> 2**29; 5..15 are 11 clean updates, and the
+    # 11th (> 10) grows the scale -> 2**30 from step 16; 20 overflows -> 2**29.
+    r = run_demo(steps=22, seed=0, quiet=True, spikes=[3, 4, 20])
+    expected_scales = [2.0**31] * 3 + [2.0**30] + [2.0**29] * 11 + [2.0**30] * 5 + [2.0**29] * 2
+    assert r["scales"] == expected_scales
+    assert r["skipped"] == [0, 0, 1] + [2] * 16 + [3] * 3
+    assert r["skipped_steps"] == 3 and r["final_scale"] == 2.0**29
+    assert r["spikes"] == [3, 4, 20]
+
+
+def test_cli_spike_option(capsys):
+    assert cli.run(["demo", "--steps", "4", "--spike", "2", "--json", "-q"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["skipped_steps"] == 1 and result["final_scale"] == 2.0**30
+    assert cli.run(["demo", "--steps", "4", "--spike", "5", "-q"]) == 2
+    assert capsys.readouterr().err == "dlspass: error: spikes: expected steps between 1 and 4, got 5\n"

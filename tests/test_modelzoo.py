@@ -1,0 +1,287 @@
+"""Model Zoo params.yaml loader: both layouts, the flat dict, defaults and every error path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dlspass.config import ConfigError, DLSConfig
+from dlspass.modelzoo import config_from_params, config_from_yaml
+
+DATA = Path(__file__).parent / "data"
+
+
+def _current(**precision):
+    return {"trainer": {"init": {"precision": precision}}}
+
+
+def _err(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_params(data, source="params.yaml")
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith("params.yaml: ")
+    return msg
+
+
+# ---- current layout -----------------------------------------------------------------------------
+def test_spec_example_cbfloat16_dynamic():
+    cfg = config_from_yaml(DATA / "modelzoo_current_spec.yaml")
+    assert cfg.loss_scale == "dynamic"
+    assert cfg.fp16_type == "cbfloat16"
+    assert cfg.mixed_precision is True
+    assert cfg.max_gradient_norm == 1.0
+    assert cfg.log_loss_scale is True
+    # SPEC §1 table: cbfloat16 starts at (and is capped by) 2**31, floor 2**-14, interval 2000.
+    assert cfg.init_scale == 2.0**31
+    assert cfg.max_scale == 2.0**31
+    assert cfg.min_scale == 2.0**-14
+    assert cfg.growth_interval == 2000
+    assert cfg.tolerance == 0.0
+    assert cfg.dynamic and cfg.enabled
+    assert cfg.overflow_check == "global_norm"
+
+
+def test_from_yaml_classmethod_and_str_path():
+    path = DATA / "modelzoo_current_spec.yaml"
+    assert DLSConfig.from_yaml(str(path)) == config_from_yaml(path)
+
+
+def test_every_current_key_and_ignored_unrelated_keys():
+    cfg = config_from_yaml(DATA / "modelzoo_current_full.yaml")
+    assert cfg == DLSConfig(
+        loss_scale="dynamic", fp16_type="float16", mixed_precision=True,
+        initial_loss_scale=2e9, steps_per_increase=500, min_loss_scale=1e-4,
+        max_loss_scale=2.0**32, max_gradient_value=5.0, log_loss_scale=False,
+    )
+    # PyYAML alone reads `2e9` and `1e-4` as strings (YAML 1.1); the loader reads floats.
+    assert isinstance(cfg.initial_loss_scale, float) and isinstance(cfg.min_loss_scale, float)
+    assert cfg.extras == {"precision_opt_level": 1}
+    assert cfg.init_scale == 2e9
+
+
+def test_float16_dynamic_defaults():
+    cfg = config_from_params(_current(fp16_type="float16", loss_scaling_factor="dynamic"))
+    assert (cfg.init_scale, cfg.max_scale, cfg.min_scale) == (2.0**15, 2.0**15, 2.0**-14)
+
+
+def test_absent_loss_scaling_factor_means_no_scaling():
+    # Model Zoo's MixedPrecision default loss_scaling_factor is 1.0.
+    cfg = config_from_params(_current(fp16_type="float16"))
+    assert cfg.loss_scale == 1.0 and not cfg.enabled and not cfg.dynamic
+    assert cfg.init_scale == 1.0
+
+
+def test_absent_fp16_type_is_float16_and_enabled_defaults_on():
+    cfg = config_from_params(_current(loss_scaling_factor="dynamic"))
+    assert cfg.fp16_type == "float16" and cfg.mixed_precision is True and cfg.dynamic
+
+
+def test_static_scale():
+    cfg = config_from_params(_current(loss_scaling_factor=128))
+    assert cfg.loss_scale == 128.0 and cfg.enabled and not cfg.dynamic and cfg.init_scale == 128.0
+
+
+def test_bfloat16_needs_no_scaling_and_is_accepted():
+    cfg = config_from_params(_current(fp16_type="bfloat16", loss_scaling_factor="dynamic"))
+    assert cfg.fp16_type == "bfloat16" and not cfg.enabled and not cfg.dynamic
+    cfg = config_from_params(_current(fp16_type="bfloat16"))
+    assert not cfg.enabled
+
+
+def test_cbfloat16_disabled_mixed_precision_needs_no_dynamic():
+    cfg = config_from_params(_current(enabled=False, fp16_type="cbfloat16", loss_scaling_factor=1.0))
+    assert cfg.mixed_precision is False
+
+
+def test_log_loss_scale_null_follows_dynamic():
+    assert config_from_params(_current(loss_scaling_factor="dynamic", log_loss_scale=None)).log_loss_scale
+    assert not config_from_params(_current(loss_scaling_factor=8.0, log_loss_scale=None)).log_loss_scale
+
+
+def test_null_loss_scaling_factor():
+    cfg = config_from_params(_current(loss_scaling_factor=None))
+    assert cfg.loss_scale is None and not cfg.enabled
+
+
+def test_no_precision_section_is_fp32_without_scaling():
+    for data in ({"trainer": {"init": {"model": {"name": "gpt2"}}}}, {"trainer": {"fit": {}}}):
+        cfg = config_from_params(data)
+        assert cfg.mixed_precision is False and cfg.loss_scale is None and not cfg.enabled
+    # An empty `precision:` section is present: Model Zoo defaults (on, float16, factor 1.0).
+    cfg = config_from_params({"trainer": {"init": {"precision": None}}})
+    assert cfg.mixed_precision is True and cfg.loss_scale == 1.0
+
+
+# ---- legacy layout ------------------------------------------------------------------------------
+def test_legacy_layout():
+    cfg = config_from_yaml(DATA / "modelzoo_legacy.yaml")
+    assert cfg == DLSConfig(
+        loss_scale="dynamic", fp16_type="cbfloat16", mixed_precision=True,
+        initial_loss_scale=2.0**20, steps_per_increase=100, min_loss_scale=1.0,
+        max_gradient_norm=1.0,
+    )
+    assert cfg.extras == {
+        "precision_opt_level": 1,
+        "log_summaries": True,
+        "load_checkpoint_states": ["model", "optimizer"],
+    }
+    assert cfg.max_scale == 2.0**31 and cfg.init_scale == 2.0**20
+
+
+def test_legacy_defaults_and_list_of_states():
+    cfg = config_from_params({
+        "model": {"fp16_type": "float16", "hidden_size": 8},
+        "optimizer": {"learning_rate": 0.1, "loss_scaling_factor": "dynamic"},
+        "runconfig": {"load_checkpoint_states": ["model", "grad_scaler"]},
+    })
+    assert cfg.mixed_precision is True and cfg.dynamic and cfg.init_scale == 2.0**15
+    assert cfg.extras == {"load_checkpoint_states": ["model", "grad_scaler"]}
+
+
+def test_legacy_use_bfloat16():
+    cfg = config_from_params({"model": {"use_bfloat16": True}, "optimizer": {"loss_scaling_factor": "dynamic"}})
+    assert cfg.fp16_type == "bfloat16" and not cfg.enabled
+    msg = _err({"model": {"use_bfloat16": True, "fp16_type": "cbfloat16"},
+                "optimizer": {"loss_scaling_factor": "dynamic"}})
+    assert "model.use_bfloat16" in msg and "cbfloat16" in msg
+
+
+def test_legacy_without_precision_keys_is_fp32():
+    cfg = config_from_params({"model": {"hidden_size": 8}, "optimizer": {"learning_rate": 0.1}})
+    assert cfg.mixed_precision is False and not cfg.enabled
+
+
+# ---- flat layout (DLSConfig.to_dict) ------------------------------------------------------------
+def test_flat_round_trip():
+    cfg = DLSConfig(fp16_type="cbfloat16", steps_per_increase=7, min_loss_scale=0.5,
+                    policy="cerebras", extras={"precision_opt_level": 2})
+    back = DLSConfig.from_dict(cfg.to_dict())
+    assert back == cfg and back.extras == cfg.extras
+    assert DLSConfig.from_dict({}) == DLSConfig()
+    torch_cfg = DLSConfig.from_dict({"policy": "torch"})
+    assert torch_cfg.init_scale == 2.0**16
+
+
+def test_flat_errors():
+    assert "params.yaml: loss_scaling_factor: unknown DLSConfig field" in _err({"loss_scaling_factor": "dynamic"})
+    assert "mixed_precision: expected true or false, got 'yes'" in _err({"mixed_precision": "yes"})
+    assert "steps_per_increase" in _err({"steps_per_increase": 0})
+    assert "fp16_type" in _err({"fp16_type": "float8"})
+    assert "extras: expected a mapping" in _err({"extras": [1]})
+
+
+# ---- errors -------------------------------------------------------------------------------------
+def test_typo_value_error_names_file_and_key():
+    path = DATA / "modelzoo_typo.yaml"
+    with pytest.raises(ConfigError) as info:
+        config_from_yaml(path)
+    assert str(info.value) == (
+        f"{path}: trainer.init.precision.loss_scaling_factor: "
+        "expected \"dynamic\", a number or null, got 'dynamc'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("precision", "fragment"),
+    [
+        ({"enabled": "yes"}, "trainer.init.precision.enabled: expected true or false, got 'yes'"),
+        ({"fp16_type": "fp16"}, "trainer.init.precision.fp16_type: expected one of float16 | bfloat16 | cbfloat16, got 'fp16'"),
+        ({"precision_opt_level": 3}, "trainer.init.precision.precision_opt_level: expected 0, 1, 2 or null, got 3"),
+        ({"precision_opt_level": True}, "precision_opt_level: expected 0, 1, 2 or null, got True"),
+        ({"loss_scaling_factor": True}, "loss_scaling_factor: expected \"dynamic\", a number or null, got True"),
+        ({"loss_scaling_factor": -1.0}, "loss_scaling_factor: expected \"dynamic\" or a finite number > 0, got -1.0"),
+        ({"loss_scaling_factor": float("inf")}, "loss_scaling_factor: expected \"dynamic\" or a finite number > 0"),
+        ({"initial_loss_scale": "big"}, "trainer.init.precision.initial_loss_scale: expected a positive number or null, got 'big'"),
+        ({"steps_per_increase": 0}, "trainer.init.precision.steps_per_increase: expected a positive integer or null, got 0"),
+        ({"steps_per_increase": 2000.0}, "steps_per_increase: expected a positive integer or null, got 2000.0"),
+        ({"min_loss_scale": 0}, "trainer.init.precision.min_loss_scale: expected a finite number > 0, got 0"),
+        ({"max_loss_scale": -2}, "max_loss_scale: expected a finite number > 0, got -2"),
+        ({"max_gradient_norm": 0.0}, "max_gradient_norm: expected a finite number > 0, got 0.0"),
+        ({"max_gradient_value": -1}, "max_gradient_value: expected a finite number > 0, got -1"),
+        ({"max_gradient_norm": 1.0, "max_gradient_value": 1.0}, "max_gradient_norm and trainer.init.precision.max_gradient_value: set at most one"),
+        ({"log_loss_scale": 1}, "trainer.init.precision.log_loss_scale: expected true or false, got 1"),
+        ({"loss_scaling_facter": "dynamic"}, "trainer.init.precision.loss_scaling_facter: unknown precision key (did you mean 'loss_scaling_factor'?)"),
+        ({"overflow_tolerance": 0.1}, "trainer.init.precision.overflow_tolerance: unknown precision key"),
+        ({"zzz": 1}, "zzz: unknown precision key; known keys: enabled, fp16_type"),
+        ({"fp16_type": "cbfloat16", "loss_scaling_factor": 1.0}, "trainer.init.precision.loss_scaling_factor: cbfloat16 requires loss_scaling_factor: dynamic (got 1.0)"),
+        ({"fp16_type": "cbfloat16"}, "cbfloat16 requires loss_scaling_factor: dynamic (absent means 1.0)"),
+        ({"loss_scaling_factor": "dynamic", "initial_loss_scale": 8.0, "min_loss_scale": 16.0},
+         "trainer.init.precision.initial_loss_scale: 8.0 is outside [trainer.init.precision.min_loss_scale"),
+        ({"min_loss_scale": 4.0, "max_loss_scale": 2.0}, "trainer.init.precision.min_loss_scale (4.0) is greater than"),
+    ],
+)
+def test_current_layout_errors(precision, fragment):
+    assert fragment in _err(_current(**precision))
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({"trainer": [1]}, "params.yaml: trainer: expected a mapping, got list"),
+        ({"trainer": {"init": "x"}}, "params.yaml: trainer.init: expected a mapping"),
+        ({"trainer": {"init": {"precision": [1]}}}, "trainer.init.precision: expected a mapping"),
+        ({"optimizer": "adam"}, "params.yaml: optimizer: expected a mapping"),
+        ({"optimizer": {"loss_scaling_factr": "dynamic", "learning_rate": 1}},
+         "optimizer.loss_scaling_factr: unknown key (did you mean 'loss_scaling_factor'?)"),
+        ({"model": {"mixed_precison": True}}, "model.mixed_precison: unknown key (did you mean 'mixed_precision'?)"),
+        ({"model": {"fp16_type": "cbfloat16"}, "optimizer": {"loss_scaling_factor": 2.0}},
+         "optimizer.loss_scaling_factor: cbfloat16 requires loss_scaling_factor: dynamic (got 2.0)"),
+        ({"model": {"mixed_precision": 1}}, "model.mixed_precision: expected true or false, got 1"),
+        ({"optimizer": {"log_summaries": "on"}}, "optimizer.log_summaries: expected true or false"),
+        ({"runconfig": {"load_checkpoint_states": 3}}, "runconfig.load_checkpoint_states: expected a comma-separated string"),
+        ({"runconfig": {"precision_opt_level": "1"}}, "runconfig.precision_opt_level: expected 0, 1, 2 or null, got '1'"),
+        ({"optimizer": {"max_gradient_norm": 1.0, "max_gradient_value": 2.0}}, "optimizer.max_gradient_norm and optimizer.max_gradient_value"),
+        ({"trainer": {"init": {"precision": {}}}, "optimizer": {"loss_scaling_factor": "dynamic"}},
+         "both under trainer.init.precision"),
+    ],
+)
+def test_layout_errors(data, fragment):
+    assert fragment in _err(data)
+
+
+def test_unrelated_legacy_keys_are_not_mistaken_for_typos():
+    cfg = config_from_params({
+        "model": {"name": "gpt2", "hidden_size": 768, "dropout_rate": 0.1, "use_bias_in_output": False,
+                  "mixed_precision": True, "fp16_type": "float16", "precision": "x"},
+        "optimizer": {"optimizer_type": "Adam", "learning_rate": [{"scheduler": "Linear"}],
+                      "weight_decay": 0.01, "loss_scaling_factor": 4.0, "max_gradient_norm": 2.0},
+        "runconfig": {"max_steps": 5, "checkpoint_steps": 1, "log_steps": 1},
+        "train_input": {"batch_size": 4},
+    })
+    assert cfg.loss_scale == 4.0 and cfg.max_gradient_norm == 2.0
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("modelzoo_broken.yaml", "invalid YAML (line 5, column 14): expected ',' or ']'"),
+        ("modelzoo_list.yaml", "the top level must be a mapping of settings, got list"),
+        ("modelzoo_empty.yaml", "the top level must be a mapping of settings, got nothing"),
+    ],
+)
+def test_file_errors(name, fragment):
+    path = DATA / name
+    with pytest.raises(ConfigError) as info:
+        config_from_yaml(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: ") and fragment in msg and "\n" not in msg
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: no such file$"):
+        config_from_yaml(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        config_from_yaml(tmp_path)
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(b"a: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="cannot read"):
+        config_from_yaml(bad)
+
+
+def test_config_error_is_value_error_and_from_dict_source():
+    with pytest.raises(ValueError, match="^cfg: "):
+        DLSConfig.from_dict(_current(fp16_type="x"), source="cfg")
+    with pytest.raises(ConfigError, match="^<dict>: the top level must be a mapping"):
+        DLSConfig.from_dict([1])  # type: ignore[arg-type]
