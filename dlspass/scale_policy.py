@@ -118,7 +118,9 @@ def update_state(state: ScalerState, isfinite: Tensor, config: DLSConfig) -> Sca
             hyst = torch.where(grow, full, hyst)
     elif config.policy == "megatron":
         full = torch.full_like(hyst, config.hysteresis_steps)
-        hyst = torch.where(bad, hyst - 1, hyst)
+        # Megatron lets the tracker go negative; clamping at 0 backs off identically (h <= 0)
+        # and keeps every counter non-negative.
+        hyst = torch.where(bad, torch.clamp(hyst - 1, min=0), hyst)
         scale = torch.where(bad & (hyst <= 0), scale * backoff, scale)
         steps = torch.where(bad, zero, steps + 1)
         grow = ok & (steps == interval)
@@ -148,18 +150,18 @@ def unscale(grads: Sequence[Tensor], loss_scale: Tensor) -> list[Tensor]:
     return [g.to(torch.float32) * inv for g in grads]
 
 
-def global_norm(grads: Sequence[Tensor]) -> Tensor:
+def global_norm(grads: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:
     """``sqrt(sum over grads of sum(g*g))`` in float32; inf/NaN carry through."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=device)
     total = torch.stack([torch.sum(g.to(torch.float32) * g.to(torch.float32)) for g in grads]).sum()
     return torch.sqrt(total)
 
 
-def all_finite(grads: Sequence[Tensor]) -> Tensor:
+def all_finite(grads: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:
     """A 0-d bool tensor: True when every element of every gradient is finite."""
     if not grads:
-        return torch.ones((), dtype=torch.bool)
+        return torch.ones((), dtype=torch.bool, device=device)
     return torch.stack([torch.isfinite(g).all() for g in grads]).all()
 
 

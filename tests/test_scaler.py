@@ -1,0 +1,497 @@
+"""The eager `dlspass.GradScaler` / `TorchGradScaler` against independent references.
+
+The main reference: with a power-of-two scale, ``backward(S * loss)`` then ``* (1/S)`` gives
+bit-exactly the gradients of ``backward(loss)`` on these small fp32 models, so a scaled run must
+equal, bit for bit, a plain run that simply does not step on the iterations whose gradients we
+poison. torch.amp.GradScaler itself is the reference for `TorchGradScaler`.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+from dlspass.config import DLSConfig
+from dlspass.models import MLP
+from dlspass.scaler import (
+    GradScaler,
+    ScaleFloorError,
+    ScaleFloorWarning,
+    TorchGradScaler,
+    hold_scheduler_on_skip,
+)
+
+STEPS = 22
+POISON = {0: "inf", 4: "nan", 9: "inf", 10: "-inf", 15: "nan"}
+
+
+def batches(n=STEPS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
+
+
+def make_model_opt(opt_name, variant, seed=0):
+    torch.manual_seed(seed)
+    m = MLP()
+    groups = [
+        {"params": [m.fc1.weight, m.fc1.bias], "lr": 1e-2},
+        {"params": [*m.fc2.parameters(), *m.fc3.parameters()], "lr": 3e-3, "weight_decay": 0.01},
+    ]
+    kw = {"fused": {"fused": True}, "foreach": {"foreach": True},
+          "single": {"foreach": False}}[variant]
+    if opt_name == "sgd":
+        opt = torch.optim.SGD(groups, lr=1e-2, momentum=0.9, **kw)
+    elif opt_name == "adam":
+        opt = torch.optim.Adam(groups, lr=1e-2, **kw)
+    else:
+        opt = torch.optim.AdamW(groups, lr=1e-2, **kw)
+    return m, opt
+
+
+def poison(m, kind):
+    m.fc2.weight.grad[1, 2] = float(kind)
+
+
+def opt_snapshot(opt):
+    return copy.deepcopy(opt.state_dict()["state"])
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].keys() == b[k].keys()
+        for name in a[k]:
+            x, y = a[k][name], b[k][name]
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, (k, name)
+
+
+def params_of(m):
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def reference_run(opt_name, variant, data, skip):
+    m, opt = make_model_opt(opt_name, variant)
+    traj = []
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        if i not in skip:
+            opt.step()
+        traj.append(params_of(m))
+    return m, opt, traj
+
+
+@pytest.mark.parametrize("variant", ["fused", "foreach", "single"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adamw"])
+def test_skipped_steps_bit_identical(opt_name, variant):
+    data = batches()
+    m, opt = make_model_opt(opt_name, variant)
+    scaler = GradScaler(init_scale=2.0**10, steps_per_increase=3)
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+        if i in POISON:
+            poison(m, POISON[i])
+        before_p, before_s = params_of(m), opt_snapshot(opt)
+        stepped = scaler.step(opt)
+        scaler.update()
+        assert bool(stepped) == (i not in POISON)
+        if i in POISON:
+            for a, b in zip(before_p, params_of(m), strict=True):
+                assert torch.equal(a, b)
+            assert_same_state(before_s, opt_snapshot(opt))
+        assert all(torch.isfinite(p).all() for p in m.parameters())
+    assert int(scaler.get_num_skipped_steps()) == len(POISON)
+    # the first step was skipped: lazily created state must be absent or fresh-equivalent
+    _, ref_opt, ref_traj = reference_run(opt_name, variant, data, set(POISON))
+    for a, b in zip(ref_traj[-1], params_of(m), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(opt_snapshot(ref_opt), opt_snapshot(opt))
+
+
+def test_skipped_first_step_leaves_no_state():
+    m, opt = make_model_opt("sgd", "fused")
+    scaler = GradScaler()
+    scaler.scale(m(torch.randn(2, 8)).sum()).backward()
+    poison(m, "inf")
+    scaler.step(opt)
+    scaler.update()
+    assert len(opt.state) == 0  # torch's fused SGD would leave an uninitialised momentum buffer
+
+
+def test_two_optimizers_one_update():
+    torch.manual_seed(0)
+    m = MLP()
+    o1 = torch.optim.SGD(m.fc1.parameters(), lr=0.1, momentum=0.9)
+    o2 = torch.optim.Adam([*m.fc2.parameters(), *m.fc3.parameters()], lr=1e-2)
+    scaler = GradScaler(init_scale=2.0**10)
+    scaler.scale(m(torch.randn(4, 8)).pow(2).mean()).backward()
+    m.fc3.weight.grad[0, 0] = float("nan")
+    fc1_before, fc3_before = m.fc1.weight.detach().clone(), m.fc3.weight.detach().clone()
+    s1, s2 = scaler.step(o1), scaler.step(o2)
+    scaler.update()
+    # torch semantics: an optimizer whose own gradients are finite steps; the other does not
+    assert bool(s1) and not bool(s2)
+    assert not torch.equal(fc1_before, m.fc1.weight) and torch.equal(fc3_before, m.fc3.weight)
+    assert int(scaler.get_num_skipped_steps()) == 1  # once per iteration, not per optimizer
+    assert float(scaler.get_scale()) == 2.0**9
+    assert bool(scaler.found_inf)
+
+
+def test_two_optimizers_match_torch_amp():
+    def run(make_scaler):
+        torch.manual_seed(0)
+        m = MLP()
+        o1 = torch.optim.SGD(m.fc1.parameters(), lr=0.1, momentum=0.9)
+        o2 = torch.optim.Adam([*m.fc2.parameters(), *m.fc3.parameters()], lr=1e-2)
+        sc = make_scaler()
+        scales = []
+        for i, (x, y) in enumerate(batches(12)):
+            o1.zero_grad()
+            o2.zero_grad()
+            sc.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+            if i in (2, 7):
+                m.fc3.weight.grad[0, 0] = float("inf")
+            if i == 5:
+                m.fc1.weight.grad[0, 0] = float("inf")
+            sc.step(o1)
+            sc.step(o2)
+            sc.update()
+            scales.append(float(sc.get_scale()))
+        return scales, params_of(m)
+
+    ref = run(lambda: torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3))
+    mine = run(lambda: TorchGradScaler("cpu", init_scale=2.0**8, growth_interval=3))
+    assert ref[0] == mine[0]
+    for a, b in zip(ref[1], mine[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_gradient_accumulation_equals_plain_accumulation():
+    data = batches(9)
+    m, opt = make_model_opt("adam", "foreach")
+    scaler = GradScaler(init_scale=2.0**12)
+    rm, ropt = make_model_opt("adam", "foreach")
+    for k in range(3):
+        opt.zero_grad()
+        ropt.zero_grad()
+        for x, y in data[3 * k: 3 * k + 3]:
+            scaler.scale(torch.nn.functional.mse_loss(m(x), y) / 3).backward()
+            (torch.nn.functional.mse_loss(rm(x), y) / 3).backward()
+        scaler.step(opt)
+        scaler.update()
+        ropt.step()
+    for a, b in zip(params_of(rm), params_of(m), strict=True):
+        assert torch.equal(a, b)
+
+
+def _one_backward(scaler, m):
+    scaler.scale(m(torch.randn(2, 8)).sum()).backward()
+
+
+def test_call_order_errors():
+    m, opt = make_model_opt("sgd", "single")
+    scaler = GradScaler()
+    _one_backward(scaler, m)
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match="cerebras"):
+        scaler.update(1024.0)
+    scaler.update()
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        scaler.update()
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="initial_loss_scale"):
+        GradScaler(init_scale=4.0, initial_loss_scale=4.0)
+    with pytest.raises(ValueError, match="config"):
+        GradScaler(config=DLSConfig(), steps_per_increase=3)
+    with pytest.raises(ValueError, match="initial_loss_scale"):
+        GradScaler(init_scale=2.0**20)
+    assert GradScaler(initial_loss_scale=8.0).get_scale().item() == 8.0
+
+
+def test_fp16_gradients():
+    p = torch.nn.Parameter(torch.zeros(5, dtype=torch.float16))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler(init_scale=2.0**10)
+    g = torch.tensor([1.0, -3.0, 0.5, 20.0, 1e-3], dtype=torch.float64)
+    p.grad = (g * 2.0**10).to(torch.float16)
+    expected = (p.grad.double() / 2.0**10).to(torch.float16)
+    scaler.unscale_(opt)
+    assert p.grad.dtype == torch.float16 and torch.equal(p.grad, expected)
+    assert bool(scaler.step(opt))
+    scaler.update()
+    assert torch.equal(p.detach(), -expected)
+    p.grad = torch.tensor([1.0, float("inf"), 0, 0, 0], dtype=torch.float16)
+    before = p.detach().clone()
+    assert not bool(scaler.step(opt))
+    scaler.update()
+    assert torch.equal(before, p.detach())
+
+
+def test_bfloat16_passes_through_with_one_warning():
+    m, opt = make_model_opt("sgd", "single")
+    scaler = GradScaler()
+    with pytest.warns(UserWarning, match="bfloat16") as rec:
+        loss = m(torch.randn(2, 8)).sum().to(torch.bfloat16)
+        out = scaler.scale(loss)
+        scaler.scale(loss)
+    assert len([w for w in rec if "bfloat16" in str(w.message)]) == 1
+    assert out is loss and float(scaler.get_scale()) == 1.0 and not scaler.is_enabled()
+    out.float().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    assert bool(scaler.step(opt))
+    scaler.update()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, m.parameters(), strict=True))
+    with pytest.warns(UserWarning, match="bfloat16"):
+        GradScaler(fp16_type="bfloat16")
+
+
+def _drive_to_floor(scaler, n=4):
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for _ in range(n):
+        scaler.scale(p.sum()).backward()
+        p.grad.fill_(float("nan"))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+def test_floor_warns_once_lazily():
+    scaler = GradScaler(init_scale=2.0**-13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing on the per-step path
+        _drive_to_floor(scaler)
+    assert float(scaler.get_non_clamped_scale()) == 2.0**-15
+    with pytest.warns(ScaleFloorWarning, match="16-bit|float16 range"):
+        assert float(scaler.get_scale()) == 2.0**-14
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.get_scale()
+
+
+def test_floor_raise():
+    scaler = GradScaler(init_scale=2.0**-13, on_scale_floor="raise")
+    _drive_to_floor(scaler)
+    with pytest.raises(ScaleFloorError, match="min_loss_scale"):
+        scaler.get_scale()
+    with pytest.raises(ScaleFloorError):
+        scaler.state_dict()
+
+
+def _train(m, opt, scaler, data, start=0):
+    for i, (x, y) in enumerate(data, start=start):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+        if i in POISON:
+            poison(m, POISON[i])
+        scaler.step(opt)
+        scaler.update()
+
+
+def roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_state_dict_roundtrip_and_scaler_swap():
+    data = batches()
+    m1, o1 = make_model_opt("adam", "foreach")
+    s1 = GradScaler(init_scale=2.0**10, steps_per_increase=3)
+    _train(m1, o1, s1, data)
+
+    m2, o2 = make_model_opt("adam", "foreach")
+    s2 = GradScaler(init_scale=2.0**10, steps_per_increase=3)
+    _train(m2, o2, s2, data[:11])
+    sd = roundtrip(s2.state_dict())
+    assert {"loss_scale", "steps_since_rescale", "overflows_since_rescale", "num_skipped_steps",
+            "format_version", "config"} <= sd.keys()
+    s3 = GradScaler(init_scale=2.0**10, steps_per_increase=3)
+    s3.load_state_dict(sd)
+    _train(m2, o2, s3, data[11:], start=11)
+    for a, b in zip(params_of(m1), params_of(m2), strict=True):
+        assert torch.equal(a, b)
+    for k, v in s1.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, s3.state_dict()[k]), k
+
+
+def test_load_state_dict_variants():
+    sc = GradScaler(init_scale=2.0**10)
+    sc.load_state_dict({"grad_scaler.loss_scale": torch.tensor(256.0),
+                        "grad_scaler.steps_since_rescale": torch.tensor(3),
+                        "grad_scaler.overflows_since_rescale": torch.tensor(1),
+                        "grad_scaler.num_skipped_steps": torch.tensor(7)})
+    assert float(sc.get_scale()) == 256.0 and int(sc.get_num_skipped_steps()) == 7
+    assert int(sc.state.overflows_since_rescale) == 1
+    sc.load_state_dict({})
+    assert float(sc.get_scale()) == 2.0**10 and int(sc.get_num_skipped_steps()) == 0
+    sc.load_state_dict(None)
+    static = roundtrip(GradScaler(loss_scale=128.0).state_dict())
+    with pytest.raises(ValueError, match="static loss scale"):
+        sc.load_state_dict(static)
+    with pytest.raises(ValueError, match="missing key"):
+        sc.load_state_dict({"steps_since_rescale": 1})
+    with pytest.raises(ValueError, match="policy='torch'"):
+        sc.load_state_dict(torch.amp.GradScaler("cpu").state_dict())
+
+
+def test_torch_amp_state_dict_loads():
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)
+    mine = TorchGradScaler("cpu")
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.0)
+    for i in range(3):
+        opt.zero_grad()
+        ref.scale(p.sum()).backward()
+        if i == 0:
+            p.grad.fill_(float("inf"))
+        ref.step(opt)
+        ref.update()
+    mine.load_state_dict(roundtrip(ref.state_dict()))
+    assert float(mine.get_scale()) == ref.get_scale() == 2.0**7
+    assert int(mine.state.steps_since_rescale) == ref._growth_tracker.item() == 2
+    assert mine.config.growth_interval == 5
+    for i in range(8):  # continue both with the same overflows
+        for sc in (ref, mine):
+            opt.zero_grad()
+            sc.scale(p.sum()).backward()
+            if i == 4:
+                p.grad.fill_(float("nan"))
+            sc.step(opt)
+            sc.update()
+        assert float(mine.get_scale()) == ref.get_scale()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize(("opt_name", "variant"), [("adam", "single"), ("adam", "fused"),
+                                                   ("sgd", "foreach")])
+def test_torch_grad_scaler_matches_torch_amp(opt_name, variant, enabled):
+    data = batches(16)
+    poison_at = {} if not enabled else {1: "inf", 6: "nan", 7: "inf"}
+
+    def run(sc):
+        m, opt = make_model_opt(opt_name, variant)
+        scales = []
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            out = sc.scale(loss)
+            if not enabled:
+                assert out is loss
+            out.backward()
+            if i in poison_at:
+                poison(m, poison_at[i])
+            sc.step(opt)
+            sc.update(2.0**9 if i == 10 and enabled else None)
+            scales.append(float(sc.get_scale()))
+        return scales, params_of(m)
+
+    ref = run(torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3, enabled=enabled))
+    mine = run(TorchGradScaler("cpu", init_scale=2.0**8, growth_interval=3, enabled=enabled))
+    assert ref[0] == mine[0]
+    for a, b in zip(ref[1], mine[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_torch_grad_scaler_cuda_default_disables_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        sc = TorchGradScaler()
+    assert not sc.is_enabled()
+
+
+def test_clipping_equals_clip_grad_norm_after_unscale():
+    x, y = batches(1)[0]
+    m, opt = make_model_opt("sgd", "single")
+    rm, _ = make_model_opt("sgd", "single")
+    scaler = GradScaler(init_scale=2.0**10, max_gradient_norm=0.05)
+    scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+    scaler.unscale_(opt)
+    torch.nn.functional.mse_loss(rm(x), y).backward()
+    total = torch.nn.utils.clip_grad_norm_(rm.parameters(), 0.05)
+    assert total > 0.05  # clipping binds
+    for a, b in zip(rm.parameters(), m.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=0)
+
+
+def test_scheduler_holds_on_skipped_steps_without_warning():
+    m, opt = make_model_opt("adam", "single")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
+    scaler = GradScaler(init_scale=2.0**10)
+    held = hold_scheduler_on_skip(sched, scaler)
+    taken = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i, (x, y) in enumerate(batches(12)):
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+            if i in POISON:
+                poison(m, POISON[i])
+            scaler.step(opt)
+            scaler.update()
+            taken += held.step()
+            assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 / (taken + 1), rel=1e-12)
+    assert taken == 12 - len([k for k in POISON if k < 12])
+    assert held.last_epoch == taken and held.held_steps == 12 - taken
+
+
+def test_no_host_sync_in_steady_state(monkeypatch):
+    # SGD: Adam reads its CPU step count with .item() itself, which is not the scaler's doing
+    m, opt = make_model_opt("sgd", "foreach")
+    scaler = GradScaler(init_scale=2.0**10, max_gradient_norm=1.0)
+    data = batches(4)
+    _train(m, opt, scaler, data[:1], start=1)  # first step creates optimizer state
+
+    def boom(*_a, **_k):
+        raise AssertionError("host sync")
+
+    for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    _train(m, opt, scaler, data[1:], start=1)
+    monkeypatch.undo()
+    assert int(scaler.get_num_skipped_steps()) == 0
+
+
+def test_static_scale_never_skips():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler(loss_scale=128.0)
+    loss = p.sum()
+    assert float(scaler.scale(loss).detach()) == 256.0
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    assert torch.equal(p.grad, torch.ones(2))
+    assert bool(scaler.step(opt))
+    scaler.update()
+    assert float(scaler.get_scale()) == 128.0 and int(scaler.get_num_skipped_steps()) == 0
+    assert set(scaler.state_dict()) == {"loss_scale", "format_version", "config"}
+
+
+def test_nested_outputs_and_nested_checkpoint():
+    scaler = GradScaler(init_scale=4.0)
+    a, b = torch.ones(2), torch.full((3,), 2.0)
+    out = scaler.scale({"x": a, "y": [b, (a,)]})
+    assert torch.equal(out["x"], 4 * a) and torch.equal(out["y"][0], 4 * b)
+    assert torch.equal(out["y"][1][0], 4 * a)
+    with pytest.raises(TypeError, match="scale"):
+        scaler.scale({"x": "loss"})
+    scaler.load_state_dict({"grad_scaler": {"loss_scale": 2.0, "steps_since_rescale": 1,
+                                            "overflows_since_rescale": 0, "num_skipped_steps": 3}})
+    assert float(scaler.get_scale()) == 2.0 and int(scaler.get_num_skipped_steps()) == 3
