@@ -24,7 +24,6 @@ from ..config import DLSConfig
 from ..marks import mark, resolve_marks
 from ..scale_policy import STATE_FIELDS, ScalerState, init_state
 
-
 # native_batch_norm mutates its running statistics without declaring it in its schema, so
 # functionalization cannot see the mutation; its decomposition makes the update explicit.
 _DECOMPOSITIONS = get_decompositions([torch.ops.aten.native_batch_norm.default])
@@ -106,7 +105,7 @@ def trace_step(
         raise CaptureError("the example batch holds no tensor")
     layout = StepLayout(
         params=list(params), trainable=trainable, buffers=list(buffers), opt_state=list(opt_state),
-        hyper=list(hyper), batch_spec=spec, batch_consts=[x for x, t in zip(leaves, is_tensor) if not t],
+        hyper=list(hyper), batch_spec=spec, batch_consts=[x for x, t in zip(leaves, is_tensor, strict=True) if not t],
         batch_is_tensor=is_tensor, updated_params=updated,
     )
     state0 = init_state(config or DLSConfig(loss_scale=None))
@@ -194,7 +193,7 @@ def _tag_io(gm: fx.GraphModule, layout: StepLayout, n_p: int, n_b: int, n_o: int
             + [(roles.SCALER_STATE, k) for k in STATE_FIELDS]
             + [(roles.HYPER, k) for k in layout.hyper])
     tags += [(roles.INPUT, f"batch.{i}") for i in range(len(placeholders) - len(tags))]
-    for node, (role, target) in zip(placeholders, tags):
+    for node, (role, target) in zip(placeholders, tags, strict=False):
         roles.set_role(node, role, target)
         node.name = node.target = _safe(f"{role}__{target}")
     out_roles = ([(roles.PARAM_UPDATE, k) for k in layout.updated_params]
@@ -202,7 +201,7 @@ def _tag_io(gm: fx.GraphModule, layout: StepLayout, n_p: int, n_b: int, n_o: int
                  + [(roles.OPT_STATE_UPDATE, k) for k in layout.opt_state]
                  + [(roles.SCALER_STATE_UPDATE, k) for k in STATE_FIELDS] + [(roles.LOSS, None)])
     roles.set_output_roles(gm.graph, out_roles)
-    for node, (role, target) in zip(roles.output_values(gm.graph), out_roles):
+    for node, (role, target) in zip(roles.output_values(gm.graph), out_roles, strict=True):
         if isinstance(node, fx.Node) and node.op != "placeholder" and roles.role_of(node) is None:
             roles.set_role(node, role, target)
     gm.graph.lint()
@@ -249,7 +248,7 @@ class CapturedStep:
         leaves, spec, is_tensor = _split_batch(batch)
         if spec != self.layout.batch_spec or is_tensor != self.layout.batch_is_tensor:
             raise CaptureError(f"batch structure {spec} differs from the captured {self.layout.batch_spec}")
-        consts = [x for x, t in zip(leaves, is_tensor) if not t]
+        consts = [x for x, t in zip(leaves, is_tensor, strict=True) if not t]
         if consts != self.layout.batch_consts:
             raise CaptureError("non-tensor batch values differ from the captured ones; capture again")
         return [x for x in leaves if isinstance(x, Tensor)]
