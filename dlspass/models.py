@@ -23,13 +23,17 @@ class MLP(nn.Module):
 
 
 class SmallCNN(nn.Module):
-    """Conv + BatchNorm + pooling classifier (BatchNorm buffers advance in training)."""
+    """Conv + BatchNorm + pooling classifier (BatchNorm buffers advance in training).
+
+    The convolutions have no bias: BatchNorm cancels it, so its gradient is pure rounding noise
+    that Adam would amplify into differences between equally valid implementations.
+    """
 
     def __init__(self, in_ch: int = 1, n_classes: int = 10, width: int = 8) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(in_ch, width, 3, padding=1)
+        self.conv1 = nn.Conv2d(in_ch, width, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(2 * width)
         self.head = nn.Linear(2 * width, n_classes)
 
@@ -46,7 +50,9 @@ class Block(nn.Module):
         super().__init__()
         self.n_head = n_head
         self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
+        # no bias: the key bias has an exactly-zero gradient (softmax ignores it), and Adam turns
+        # that rounding noise into meaningless differences between implementations
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d)
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, 4 * d)

@@ -79,7 +79,7 @@ def _state_snapshot(model, opt):
     return params, state
 
 
-def _assert_close(a, b, rtol=1e-6, atol=1e-7):
+def _assert_close(a, b, rtol=1e-6, atol=1e-6):
     assert a.keys() == b.keys()
     for k in a:
         x, y = a[k], b[k]
