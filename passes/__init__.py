@@ -1,0 +1,137 @@
+"""The DLS pass pipeline: ``apply_dls(gm, config)`` rewrites a captured step for loss scaling.
+
+Order (one pass per file, ``VerbNounPass`` in ``verb_noun_pass.py``):
+
+1. ``LowerPrecisionPass``  mm/bmm/conv forward and backward in 16 bits (``mixed_precision``)
+2. ``ScaleSeedPass``       backward seed × loss_scale
+3. ``UnscaleGradsPass``    gradients × 1/loss_scale, one overflow flag (dynamic)
+4. ``ClipGradNormPass``    global-norm / value clipping after the check
+5. ``GuardUpdatesPass``    params and optimizer state: ``where(isfinite, new, old)`` (dynamic)
+6. ``UpdateScalePass``     scaler-state outputs = ``update_state(state, isfinite)`` (dynamic)
+
+then ``dlspass.verify.verify``. The config is recorded as JSON on the output node
+(``meta["custom"]["dlspass_config"]``; also on the seed node, whose meta survives
+``torch.export``, which rebuilds the output node), which makes the pipeline idempotent and lets it refuse
+a graph already rewritten with a different config.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch.fx as fx
+from torch.fx.passes.infra.pass_manager import PassManager
+
+from dlspass import roles
+from dlspass.config import DLSConfig
+
+from ._common import APPLIED_KEY, DLSPass, PassContractError, applied_passes
+from .clip_grad_norm_pass import ClipGradNormPass
+from .guard_updates_pass import GuardUpdatesPass
+from .lower_precision_pass import LowerPrecisionPass
+from .scale_seed_pass import ScaleSeedPass
+from .unscale_grads_pass import UnscaleGradsPass
+from .update_scale_pass import UpdateScalePass
+
+CONFIG_KEY = "dlspass_config"
+MODE_KEY = "dlspass_precision_mode"
+
+PASSES = {p.name: p for p in (LowerPrecisionPass, ScaleSeedPass, UnscaleGradsPass,
+                              ClipGradNormPass, GuardUpdatesPass, UpdateScalePass)}
+
+__all__ = [
+    "APPLIED_KEY", "CONFIG_KEY", "PASSES", "ClipGradNormPass", "DLSPass", "GuardUpdatesPass",
+    "LowerPrecisionPass", "PassContractError", "ScaleSeedPass", "UnscaleGradsPass",
+    "UpdateScalePass", "apply_dls", "applied_passes", "check_graph", "default_passes",
+    "recorded_config",
+]
+
+
+def default_passes(config: DLSConfig | None, precision_mode: str = "emulate") -> list[DLSPass]:
+    """The passes ``apply_dls`` runs for ``config``, in order."""
+    passes: list[DLSPass] = []
+    if config is not None and config.mixed_precision:
+        passes.append(LowerPrecisionPass(config.fp16_type, precision_mode))
+    if config is not None:
+        passes += [ScaleSeedPass(config), UnscaleGradsPass(config), ClipGradNormPass(config),
+                   GuardUpdatesPass(config), UpdateScalePass(config)]
+    return passes
+
+
+def check_graph(gm: fx.GraphModule) -> None:
+    """Invariants between passes: lint, roles present, fake values on every computed node."""
+    graph = gm.graph
+    graph.lint()
+    if len(roles.nodes_with_role(graph, roles.SEED)) != 1:
+        raise PassContractError("the graph needs exactly one backward_seed node")
+    out_roles = roles.output_roles(graph)
+    if not out_roles:
+        raise PassContractError("the output node records no output roles (dlspass_outputs)")
+    if len(out_roles) != len(roles.output_values(graph)):
+        raise PassContractError(f"{len(out_roles)} output roles for "
+                                f"{len(roles.output_values(graph))} outputs")
+    for node in graph.nodes:
+        if node.op in ("placeholder", "call_function") and "val" not in node.meta and node.users:
+            raise PassContractError(f"node {node.name!r} has no fake value (meta['val'])")
+
+
+def _config_json(config: DLSConfig | None) -> str:
+    return json.dumps(None if config is None else config.to_dict(), sort_keys=True)
+
+
+def _recorded(graph: fx.Graph, key: str) -> str | None:
+    # torch.export rebuilds the output node but keeps the seed node's meta["custom"]
+    for node in (graph.output_node(), *roles.nodes_with_role(graph, roles.SEED)):
+        raw = node.meta.get("custom", {}).get(key)
+        if raw is not None:
+            return raw
+    return None
+
+
+def recorded_config(gm: fx.GraphModule) -> DLSConfig | None:
+    """The config ``apply_dls`` recorded on ``gm`` (None when none or no config was given)."""
+    raw = _recorded(gm.graph, CONFIG_KEY)
+    if raw is None:
+        return None
+    data = json.loads(raw)
+    return None if data is None else DLSConfig(**data)
+
+
+def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
+              precision_mode: str = "emulate") -> fx.GraphModule:
+    """Rewrite the captured step ``gm`` in place for ``config`` and return it, verified.
+
+    ``config=None`` changes nothing; a config with scaling off (``loss_scale=None``, bfloat16)
+    only lowers precision when ``mixed_precision`` is set; a static scale inserts seed scaling
+    and unscaling but no check, guard or state update. Applying it again with the same config
+    leaves the graph unchanged; a graph rewritten with a different config is an error.
+
+    Example:
+        >>> gm = apply_dls(gm, DLSConfig(loss_scale="dynamic"))  # doctest: +SKIP
+    """
+    from dlspass.verify import verify
+
+    if precision_mode not in ("emulate", "native"):
+        raise ValueError(f"precision_mode: expected 'emulate' or 'native', got {precision_mode!r}")
+    want = _config_json(config)
+    have = _recorded(gm.graph, CONFIG_KEY)
+    if have is not None:
+        have_mode = _recorded(gm.graph, MODE_KEY)
+        if have != want or have_mode != precision_mode:
+            raise PassContractError(
+                f"this graph was already rewritten with config {have} (precision {have_mode}); "
+                f"refusing to apply {want} (precision {precision_mode}): rewrite the captured "
+                "graph instead")
+        return gm
+    passes = default_passes(config, precision_mode)
+    if passes:
+        pm = PassManager(passes=list(passes), run_checks_after_each_pass=True, steps=1)
+        pm.add_checks(check_graph)
+        gm = pm(gm).graph_module
+    for node in (gm.graph.output_node(), *roles.nodes_with_role(gm.graph, roles.SEED)):
+        custom = node.meta.setdefault("custom", {})
+        custom[CONFIG_KEY] = want
+        custom[MODE_KEY] = precision_mode
+    gm.recompile()
+    verify(gm)
+    return gm

@@ -1,0 +1,73 @@
+"""ClipGradNormPass: the (unscaled) gradients the optimizer reads are clipped by global norm or value."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from dlspass import roles, scale_policy
+from dlspass.config import DLSConfig
+from dlspass.splice import insertion_point, splice
+
+from ._common import GLOBAL, DLSPass, PassContractError, global_node, grads, replace_uses
+
+# DLS bookkeeping that must keep reading the unclipped gradients (the check comes first)
+_CHECK_ROLES = {roles.UNSCALE, roles.GRAD_NORM, roles.ISFINITE, roles.CLIP}
+
+
+class ClipGradNormPass(DLSPass):
+    """Apply ``scale_policy.clip`` after the overflow check, reusing the check's global norm."""
+
+    name = "clip_grad_norm"
+
+    def __init__(self, config: DLSConfig | None) -> None:
+        self.config = config
+
+    def _active(self, gm: fx.GraphModule) -> bool:
+        c = self.config
+        return (c is not None and (c.max_gradient_norm is not None or c.max_gradient_value is not None)
+                and not self.applied(gm))
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        if not self._active(gm):
+            return PassResult(gm, False)
+        config = self.config
+        assert config is not None
+        graph = gm.graph
+        unscaled = [n for n in roles.nodes_with_role(graph, roles.UNSCALE) if roles.target_of(n)]
+        if unscaled:
+            found = [(roles.target_of(n), n) for n in unscaled]
+        else:  # no scaling: clip the gradients as backward produced them
+            found = grads(graph)
+        names = [t for t, _ in found]
+        gnodes = [g for _, g in found]
+        norm = global_node(graph, roles.GRAD_NORM)
+        if config.max_gradient_norm is not None and norm is None:
+            (norm,) = splice(graph, lambda *gs: [scale_policy.global_norm(gs)], gnodes,
+                             role=roles.GRAD_NORM, by_pass=self.name,
+                             output_roles=[(roles.GRAD_NORM, GLOBAL)])
+        flag = global_node(graph, roles.ISFINITE)
+        # after the overflow check, so clipping can never feed the check (Lightning #9599)
+        anchor = insertion_point(graph, [*gnodes, *[n for n in (norm, flag) if n is not None]])
+        if norm is not None and config.max_gradient_norm is not None:
+            clipped = splice(graph, lambda n, *gs: scale_policy.clip(gs, n, config), [norm, *gnodes],
+                             role=roles.CLIP, by_pass=self.name, before=anchor,
+                             output_roles=[(roles.CLIP, t) for t in names])
+        else:
+            clipped = splice(graph, lambda *gs: scale_policy.clip(gs, None, config), gnodes,
+                             role=roles.CLIP, by_pass=self.name, before=anchor,
+                             output_roles=[(roles.CLIP, t) for t in names])
+        for g, c in zip(gnodes, clipped, strict=True):
+            keep = {u for u in g.users if roles.role_of(u) in _CHECK_ROLES}
+            replace_uses(g, c, keep)
+        self.mark_applied(gm)
+        return PassResult(gm, True)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        for node in roles.nodes_with_role(gm.graph, roles.CLIP):
+            src = node.args[0] if node.args else None
+            if roles.target_of(node) and isinstance(src, fx.Node):
+                leaks = [u.name for u in src.users if roles.role_of(u) not in _CHECK_ROLES]
+                if leaks:
+                    raise PassContractError(f"clip_grad_norm: {leaks} read the unclipped "
+                                            f"gradient {src.name!r}")

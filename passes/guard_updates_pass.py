@@ -1,0 +1,78 @@
+"""GuardUpdatesPass: every param / optimizer-state output becomes ``where(isfinite, new, old)``."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from dlspass import roles
+from dlspass.config import DLSConfig
+from dlspass.splice import splice
+
+from ._common import (
+    DLSPass,
+    PassContractError,
+    global_node,
+    placeholders_by_role,
+    set_outputs,
+)
+
+# BatchNorm statistics (BUFFER_UPDATE) advance on a skipped step and the scaler state is
+# the update pass's business: neither is guarded.
+GUARDED = {roles.PARAM_UPDATE: roles.PARAM, roles.OPT_STATE_UPDATE: roles.OPT_STATE}
+
+
+class GuardUpdatesPass(DLSPass):
+    """Select the old parameter / optimizer state on overflow, without cloning anything."""
+
+    name = "guard_updates"
+
+    def __init__(self, config: DLSConfig | None) -> None:
+        self.config = config
+
+    def _active(self, gm: fx.GraphModule) -> bool:
+        return self.config is not None and self.config.dynamic and not self.applied(gm)
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        if self._active(gm) and global_node(gm.graph, roles.ISFINITE) is None:
+            raise PassContractError("guard_updates: no isfinite node; run unscale_grads first")
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        if not self._active(gm):
+            return PassResult(gm, False)
+        graph = gm.graph
+        isfinite = global_node(graph, roles.ISFINITE)
+        olds_by_role = {r: placeholders_by_role(graph, r) for r in GUARDED.values()}
+        positions, news, olds, targets = [], [], [], []
+        vals = roles.output_values(graph)
+        for i, (role, target) in enumerate(roles.output_roles(graph)):
+            if role not in GUARDED:
+                continue
+            old = olds_by_role[GUARDED[role]].get(target)
+            if old is None:
+                raise PassContractError(f"guard_updates: output {i} ({role} {target!r}) has no "
+                                        f"matching {GUARDED[role]} placeholder")
+            if vals[i] is old:  # passed through unchanged: nothing to roll back
+                continue
+            positions.append(i)
+            news.append(vals[i])
+            olds.append(old)
+            targets.append(target)
+        if positions:
+            n = len(news)
+            guarded = splice(
+                graph, lambda c, *xs: [torch.where(c, a, b) for a, b in zip(xs[:n], xs[n:], strict=True)],
+                [isfinite, *news, *olds], role=roles.GUARD, by_pass=self.name,
+                before=graph.output_node(), output_roles=[(roles.GUARD, t) for t in targets])
+            set_outputs(graph, dict(zip(positions, guarded, strict=True)))
+        self.mark_applied(gm)
+        return PassResult(gm, True)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        if self.config is None or not self.config.dynamic:
+            return
+        vals = roles.output_values(gm.graph)
+        for i, (role, target) in enumerate(roles.output_roles(gm.graph)):
+            if role in GUARDED and vals[i].op != "placeholder" and roles.role_of(vals[i]) != roles.GUARD:
+                raise PassContractError(f"guard_updates: output {i} ({target!r}) is not guarded")

@@ -1,0 +1,141 @@
+"""LowerPrecisionPass: the policy's ops (mm, bmm, conv, ... forward and backward) read and write 16-bit values."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from dlspass import roles
+from dlspass.precision_policy import NATIVE_DTYPES, VALUE_PRESERVING_OPS, PrecisionPolicy
+from dlspass.splice import insert_op, set_fake_val
+
+from ._common import DLSPass, PassContractError
+
+MODES = ("emulate", "native")
+
+
+def _round_op():  # noqa: ANN202
+    try:
+        import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format
+    except ImportError:
+        pass
+    ns = torch.ops.dlspass
+    if not hasattr(ns, "round_to_format"):
+        raise PassContractError("lower_precision: the dlspass::round_to_format op is not registered "
+                                "(dlspass.formats is missing)")
+    return ns.round_to_format.default
+
+
+def _is_f32(node: object) -> bool:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dtype == torch.float32
+
+
+class LowerPrecisionPass(DLSPass):
+    """Round (emulate) or cast (native) every float input and output of the policy's ops."""
+
+    name = "lower_precision"
+
+    def __init__(self, fmt: str, mode: str = "emulate", policy: PrecisionPolicy | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"precision mode: expected one of {MODES}, got {mode!r}")
+        if mode == "native" and fmt not in NATIVE_DTYPES:
+            raise ValueError(f"precision mode 'native' supports {sorted(NATIVE_DTYPES)}, not {fmt!r}; "
+                             "use mode='emulate'")
+        self.fmt = fmt
+        self.mode = mode
+        self.policy = policy or PrecisionPolicy(fmt)
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        if self.applied(gm):
+            return PassResult(gm, False)
+        graph = gm.graph
+        targets = [n for n in graph.nodes if n.op == "call_function" and self.policy.lowers(n.target)]
+        lower = self._emulate if self.mode == "emulate" else self._native
+        lower(graph, targets)
+        self.mark_applied(gm)
+        return PassResult(gm, bool(targets))
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        for op in gm.graph.nodes:
+            if op.op != "call_function" or not self.policy.lowers(op.target):
+                continue
+            for y in _outputs(op):
+                if any(roles.role_of(u) != roles.CAST for u in y.users):
+                    raise PassContractError(f"lower_precision: output {y.name!r} of {op.name!r} is "
+                                            "read without its cast")
+
+    # -- emulate: fp32 containers holding values rounded to the format ------------------------
+    def _emulate(self, graph: fx.Graph, targets: list[fx.Node]) -> None:
+        rnd = _round_op()
+        rounded: dict[fx.Node, fx.Node] = {}
+        known: dict[fx.Node, bool] = {}
+
+        def is_rounded(n: fx.Node) -> bool:
+            if n not in known:
+                if roles.role_of(n) == roles.CAST:
+                    known[n] = True
+                elif n.op == "call_function" and (n.target in VALUE_PRESERVING_OPS
+                                                  or n.target is operator.getitem):
+                    src = n.args[0]
+                    known[n] = isinstance(src, fx.Node) and is_rounded(src)
+                else:
+                    known[n] = False
+            return known[n]
+
+        def round_input(x: fx.Node, op: fx.Node) -> fx.Node:
+            if x not in rounded:
+                rounded[x] = x if is_rounded(x) else insert_op(
+                    graph, rnd, (x, self.fmt, False, False), before=op, role=roles.CAST,
+                    by_pass=self.name)
+            return rounded[x]
+
+        def round_output(y: fx.Node) -> None:
+            r = insert_op(graph, rnd, (y, self.fmt, False, False), before=y.next, role=roles.CAST,
+                          by_pass=self.name)
+            y.replace_all_uses_with(r, delete_user_cb=lambda u: u is not r)
+            rounded[y] = r
+
+        for op in targets:
+            op.args, op.kwargs = fx.node.map_arg(
+                (op.args, op.kwargs), lambda x, op=op: round_input(x, op) if _is_f32(x) else x)
+            for y in _outputs(op):
+                round_output(y)
+
+    # -- native: convert_element_type to the 16-bit dtype around the op and back --------------
+    def _native(self, graph: fx.Graph, targets: list[fx.Node]) -> None:
+        dtype = NATIVE_DTYPES[self.fmt]
+        cet = torch.ops.prims.convert_element_type.default
+        down: dict[fx.Node, fx.Node] = {}
+
+        def to16(x: fx.Node, op: fx.Node) -> fx.Node:
+            if x not in down:
+                down[x] = insert_op(graph, cet, (x, dtype), before=op, role=roles.CAST,
+                                    by_pass=self.name)
+            return down[x]
+
+        for op in targets:
+            op.args, op.kwargs = fx.node.map_arg(
+                (op.args, op.kwargs), lambda x, op=op: to16(x, op) if _is_f32(x) else x)
+            set_fake_val(op)
+            for y in _outputs(op):
+                if y is not op:
+                    set_fake_val(y)
+                up = insert_op(graph, cet, (y, torch.float32), before=y.next, role=roles.CAST,
+                               by_pass=self.name)
+                y.replace_all_uses_with(up, delete_user_cb=lambda u, up=up: u is not up)
+
+
+def _outputs(op: fx.Node) -> list[fx.Node]:
+    """The tensor values ``op`` produces: itself, or the getitems of its tuple result."""
+    val = op.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [op]
+    outs = []
+    for user in list(op.users):
+        if user.target is operator.getitem and isinstance(user.meta.get("val"), torch.Tensor):
+            outs.append(user)
+    return outs

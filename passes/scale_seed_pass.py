@@ -1,0 +1,48 @@
+"""ScaleSeedPass: the backward seed ``s`` becomes ``mul(s, loss_scale)`` (SCALED_SEED)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from dlspass import roles
+from dlspass.config import DLSConfig
+from dlspass.splice import insert_op
+
+from ._common import DLSPass, PassContractError, scale_placeholder
+
+
+class ScaleSeedPass(DLSPass):
+    """Multiply the seed of the backward pass by the loss-scale placeholder."""
+
+    name = "scale_seed"
+
+    def __init__(self, config: DLSConfig | None) -> None:
+        self.config = config
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        if self.config is None or not self.config.enabled or self.applied(gm):
+            return
+        if len(roles.nodes_with_role(gm.graph, roles.SEED)) != 1:
+            raise PassContractError("scale_seed: the graph needs exactly one backward_seed node")
+        scale_placeholder(gm.graph)
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        if self.config is None or not self.config.enabled or self.applied(gm):
+            return PassResult(gm, False)
+        graph = gm.graph
+        seed = roles.the_node(graph, roles.SEED)
+        scaled = insert_op(graph, torch.ops.aten.mul.Tensor, (seed, scale_placeholder(graph)),
+                           before=seed.next, role=roles.SCALED_SEED, by_pass=self.name)
+        seed.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+        self.mark_applied(gm)
+        return PassResult(gm, True)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        if self.config is None or not self.config.enabled:
+            return
+        seed = roles.the_node(gm.graph, roles.SEED)
+        bad = [u.name for u in seed.users if roles.role_of(u) != roles.SCALED_SEED]
+        if bad:
+            raise PassContractError(f"scale_seed: the seed is still read unscaled by {bad}")

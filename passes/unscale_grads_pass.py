@@ -1,0 +1,72 @@
+"""UnscaleGradsPass: every GRAD ``g`` is read as ``g * (1/loss_scale)`` in fp32, and one overflow flag is computed."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from dlspass import roles, scale_policy
+from dlspass.config import DLSConfig
+from dlspass.splice import splice
+
+from ._common import GLOBAL, DLSPass, PassContractError, grads, replace_uses, scale_placeholder
+
+
+class UnscaleGradsPass(DLSPass):
+    """Unscale the gradients with the seed's scale; check them by the policy's method."""
+
+    name = "unscale_grads"
+
+    def __init__(self, config: DLSConfig | None) -> None:
+        self.config = config
+
+    def _active(self, gm: fx.GraphModule) -> bool:
+        return self.config is not None and self.config.enabled and not self.applied(gm)
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        if not self._active(gm):
+            return
+        if not grads(gm.graph):
+            raise PassContractError("unscale_grads: the graph has no grad node")
+        scale_placeholder(gm.graph)
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        if not self._active(gm):
+            return PassResult(gm, False)
+        config = self.config
+        assert config is not None
+        graph = gm.graph
+        found = grads(graph)
+        names = [t for t, _ in found]
+        gnodes = [g for _, g in found]
+        existing = set(graph.nodes)
+        unscaled = splice(
+            graph, lambda s, *gs: scale_policy.unscale(gs, s), [scale_placeholder(graph), *gnodes],
+            role=roles.UNSCALE, by_pass=self.name, output_roles=[(roles.UNSCALE, t) for t in names])
+        new = set(graph.nodes) - existing
+        for g, u in zip(gnodes, unscaled, strict=True):
+            replace_uses(g, u, new)
+        if config.dynamic:
+            # the check reads the unscaled values: a scale large enough to overflow fp32 after
+            # unscaling is caught here, not silently passed on (torch #99640's failure mode)
+            internal = roles.GRAD_NORM if config.overflow_check == "global_norm" else roles.ISFINITE
+            outs = splice(
+                graph, lambda *us: _check(list(us), config), unscaled, role=internal,
+                by_pass=self.name,
+                output_roles=[(roles.ISFINITE, GLOBAL), (roles.GRAD_NORM, GLOBAL)])
+            del outs
+        self.mark_applied(gm)
+        return PassResult(gm, True)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        if self.config is None or not self.config.enabled:
+            return
+        for name, g in grads(gm.graph):
+            bad = [u.name for u in g.users if roles.role_of(u) != roles.UNSCALE]
+            if bad:
+                raise PassContractError(f"unscale_grads: grad of {name!r} is read unscaled by {bad}")
+
+
+def _check(unscaled: list, config: DLSConfig) -> list:
+    isfinite, norm = scale_policy.check_overflow(unscaled, config)
+    return [isfinite] if norm is None else [isfinite, norm]

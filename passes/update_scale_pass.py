@@ -1,0 +1,55 @@
+"""UpdateScalePass: the scaler-state outputs become ``scale_policy.update_state(state, isfinite)``."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from dlspass import roles, scale_policy
+from dlspass.config import DLSConfig
+from dlspass.splice import splice
+
+from ._common import DLSPass, PassContractError, global_node, placeholder, set_outputs
+
+
+class UpdateScalePass(DLSPass):
+    """Trace the policy's update rule in once, fed by the step's one overflow flag."""
+
+    name = "update_scale"
+
+    def __init__(self, config: DLSConfig | None) -> None:
+        self.config = config
+
+    def _active(self, gm: fx.GraphModule) -> bool:
+        return self.config is not None and self.config.dynamic and not self.applied(gm)
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        if self._active(gm) and global_node(gm.graph, roles.ISFINITE) is None:
+            raise PassContractError("update_scale: no isfinite node; run unscale_grads first")
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        if not self._active(gm):
+            return PassResult(gm, False)
+        config = self.config
+        assert config is not None
+        graph = gm.graph
+        fields = scale_policy.STATE_FIELDS
+        state = [placeholder(graph, roles.SCALER_STATE, f) for f in fields]
+        isfinite = global_node(graph, roles.ISFINITE)
+
+        def update(c, *st):  # noqa: ANN001, ANN202 - traced helper
+            return list(scale_policy.update_state(scale_policy.ScalerState(*st), c, config))
+
+        new = splice(graph, update, [isfinite, *state], role=roles.SCALE_UPDATE, by_pass=self.name,
+                     before=graph.output_node(),
+                     output_roles=[(roles.SCALE_UPDATE, f) for f in fields])
+        by_field = dict(zip(fields, new, strict=True))
+        repl = {}
+        for i, (role, target) in enumerate(roles.output_roles(graph)):
+            if role == roles.SCALER_STATE_UPDATE:
+                if target not in by_field:
+                    raise PassContractError(f"update_scale: output {i} names unknown state field {target!r}")
+                repl[i] = by_field[target]
+        set_outputs(graph, repl)
+        self.mark_applied(gm)
+        return PassResult(gm, True)

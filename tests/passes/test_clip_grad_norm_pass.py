@@ -1,0 +1,74 @@
+"""ClipGradNormPass: clipping after the overflow check, matching torch.nn.utils.clip_grad_norm_."""
+
+from __future__ import annotations
+
+import torch
+from dlspass.passes import ClipGradNormPass, apply_dls
+from stepgraph import eager_grads, mlp_step, node_values, run
+
+from dlspass import roles
+from dlspass.config import DLSConfig
+
+
+def _clip_nodes(gm):  # noqa: ANN001, ANN202
+    return [n for n in roles.nodes_with_role(gm.graph, roles.CLIP) if roles.target_of(n)]
+
+
+def test_norm_clipping_matches_torch_clip_grad_norm() -> None:
+    cfg = DLSConfig(mixed_precision=False, max_gradient_norm=0.05, initial_loss_scale=256.0)
+    step = mlp_step(cfg)
+    gm = apply_dls(step.gm, cfg)
+    clipped = node_values(gm, step.inputs(), _clip_nodes(gm))
+    ref = eager_grads(step)
+    params = {k: v.clone().requires_grad_() for k, v in step.params.items()}
+    for k, p in params.items():
+        p.grad = ref[k].clone()
+    total = torch.nn.utils.clip_grad_norm_(list(params.values()), 0.05)
+    assert float(total) > 0.05  # the test really clips
+    for n, v in zip(_clip_nodes(gm), clipped, strict=True):
+        torch.testing.assert_close(v, params[roles.target_of(n)].grad, rtol=1e-5, atol=1e-8)
+    # the optimizer reads the clipped values: SGD's first momentum buffer is the gradient
+    got = run(step, gm)
+    for k, p in params.items():
+        torch.testing.assert_close(got[roles.OPT_STATE_UPDATE][f"{k}.momentum_buffer"], p.grad,
+                                   rtol=1e-5, atol=1e-8)
+
+
+def test_clip_comes_after_the_check_which_reads_unclipped_grads() -> None:
+    cfg = DLSConfig(mixed_precision=False, max_gradient_norm=0.05)
+    gm = apply_dls(mlp_step(cfg).gm, cfg)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    flag = next(n for n in roles.nodes_with_role(gm.graph, roles.ISFINITE))
+    assert all(order[c] > order[flag] for c in roles.nodes_with_role(gm.graph, roles.CLIP))
+    norm_inputs = {a for n in roles.nodes_with_role(gm.graph, roles.GRAD_NORM) for a in n.all_input_nodes}
+    assert not norm_inputs & set(roles.nodes_with_role(gm.graph, roles.CLIP))
+
+
+def test_value_clipping_bounds_every_element() -> None:
+    cfg = DLSConfig(mixed_precision=False, max_gradient_value=0.01)
+    step = mlp_step(cfg)
+    gm = apply_dls(step.gm, cfg)
+    vals = node_values(gm, step.inputs(), _clip_nodes(gm))
+    ref = eager_grads(step)
+    assert any(float(g.abs().max()) > 0.01 for g in ref.values())
+    for n, v in zip(_clip_nodes(gm), vals, strict=True):
+        torch.testing.assert_close(v, ref[roles.target_of(n)].clamp(-0.01, 0.01), rtol=1e-6, atol=1e-8)
+
+
+def test_clipping_without_scaling_clips_the_raw_grads() -> None:
+    cfg = DLSConfig(loss_scale=None, mixed_precision=False, max_gradient_norm=0.05)
+    step = mlp_step(cfg)
+    gm = apply_dls(step.gm, cfg)
+    assert not roles.nodes_with_role(gm.graph, roles.UNSCALE)
+    clipped = node_values(gm, step.inputs(), _clip_nodes(gm))
+    total = torch.sqrt(sum((c.double() ** 2).sum() for c in clipped))
+    assert float(total) == __import__("pytest").approx(0.05, rel=1e-4)
+
+
+def test_no_clipping_configured_is_a_noop_and_idempotent() -> None:
+    gm = mlp_step().gm
+    assert not ClipGradNormPass(DLSConfig())(gm).modified
+    cfg = DLSConfig(mixed_precision=False, max_gradient_norm=1.0)
+    gm = apply_dls(mlp_step(cfg).gm, cfg)
+    n = len(gm.graph.nodes)
+    assert not ClipGradNormPass(cfg)(gm).modified and len(gm.graph.nodes) == n

@@ -1,0 +1,170 @@
+"""apply_dls: the whole pipeline against an eager fp32 step with dlspass.scale_policy math."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dlspass.passes import PassContractError, applied_passes, apply_dls, recorded_config
+from stepgraph import cnn_step, mlp_step, reference_step, run
+
+from dlspass import roles
+from dlspass.config import DLSConfig
+from dlspass.scale_policy import ScalerState
+
+FP32 = DLSConfig(mixed_precision=False, initial_loss_scale=1024.0, steps_per_increase=2)
+
+
+def _assert_matches(got: dict, ref: dict) -> None:
+    for role in (roles.PARAM_UPDATE, roles.OPT_STATE_UPDATE, roles.BUFFER_UPDATE):
+        assert set(got[role]) == set(ref[role])
+        for k in ref[role]:
+            torch.testing.assert_close(got[role][k], ref[role][k], rtol=1e-6, atol=1e-7, msg=k)
+    torch.testing.assert_close(got["loss"], ref["loss"], equal_nan=True)
+    for a, b, name in zip(got["state"], ref["state"], ScalerState._fields, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("make", [mlp_step, cnn_step], ids=["mlp", "cnn_batchnorm"])
+def test_fp32_pipeline_matches_eager_reference(make) -> None:  # noqa: ANN001
+    step = make(FP32)
+    gm = apply_dls(step.gm, FP32)
+    _assert_matches(run(step, gm), reference_step(step, FP32))
+
+
+def test_fp32_pipeline_three_steps_with_overflow_matches_reference() -> None:
+    step = mlp_step(FP32)
+    gm = apply_dls(step.gm, FP32)
+    params, opt, state = step.params, step.opt_state, step.state
+    bad_batch = [step.batch[0] * float("inf"), step.batch[1]]
+    for batch in (step.batch, bad_batch, step.batch):
+        got = run(step, gm, params=params, opt_state=opt, state=state, batch=batch)
+        ref = reference_step(step, FP32, params=params, opt_state=opt, state=state, batch=batch)
+        _assert_matches(got, ref)
+        params, opt, state = got[roles.PARAM_UPDATE], got[roles.OPT_STATE_UPDATE], got["state"]
+    # scale 1024 -> 1024 (clean) -> 512 (overflow) -> 512 (clean), one skipped step
+    assert float(state.loss_scale) == 512.0
+    assert int(state.num_skipped_steps) == 1
+
+
+def test_pipeline_is_idempotent() -> None:
+    cfg = DLSConfig(max_gradient_norm=1.0)
+    gm = apply_dls(mlp_step(cfg).gm, cfg)
+    code = gm.code
+    n = len(gm.graph.nodes)
+    gm2 = apply_dls(gm, cfg)
+    assert gm2.code == code and len(gm2.graph.nodes) == n
+    assert applied_passes(gm2.graph) == ["lower_precision", "scale_seed", "unscale_grads",
+                                         "clip_grad_norm", "guard_updates", "update_scale"]
+
+
+def test_each_pass_applied_twice_changes_nothing() -> None:
+    cfg = DLSConfig(max_gradient_norm=1.0)
+    from dlspass.passes import default_passes
+
+    gm = mlp_step(cfg).gm
+    for p in default_passes(cfg):
+        p(gm)
+        gm.recompile()
+        code = gm.code
+        assert not p(gm).modified, p.name
+        gm.recompile()
+        assert gm.code == code, p.name
+
+
+def test_different_config_is_an_error() -> None:
+    cfg = DLSConfig()
+    gm = apply_dls(mlp_step(cfg).gm, cfg)
+    with pytest.raises(PassContractError, match="already rewritten with config"):
+        apply_dls(gm, DLSConfig(initial_loss_scale=8.0))
+    with pytest.raises(PassContractError, match="precision native"):
+        apply_dls(gm, cfg, precision_mode="native")
+
+
+def test_config_is_recorded_as_json_and_round_trips() -> None:
+    cfg = DLSConfig(fp16_type="cbfloat16", max_gradient_value=2.0)
+    gm = apply_dls(mlp_step(cfg).gm, cfg)
+    assert isinstance(gm.graph.output_node().meta["custom"]["dlspass_config"], str)
+    assert recorded_config(gm) == cfg
+
+
+def test_static_scale_scales_and_unscales_but_never_skips() -> None:
+    cfg = DLSConfig(loss_scale=128.0, mixed_precision=False)
+    step = mlp_step(cfg)
+    gm = apply_dls(step.gm, cfg)
+    rs = {roles.role_of(n) for n in gm.graph.nodes}
+    assert {roles.SCALED_SEED, roles.UNSCALE} <= rs
+    assert not rs & {roles.ISFINITE, roles.GUARD, roles.SCALE_UPDATE}
+    _assert_matches(run(step, gm), reference_step(step, cfg))
+    # an overflow is not checked: the parameters change (to non-finite values)
+    got = run(step, gm, batch=[step.batch[0] * float("inf"), step.batch[1]])
+    assert not all(torch.isfinite(v).all() for v in got[roles.PARAM_UPDATE].values())
+
+
+@pytest.mark.parametrize("cfg", [None, DLSConfig(loss_scale=None, mixed_precision=False),
+                                 DLSConfig(fp16_type="bfloat16", mixed_precision=False)])
+def test_no_scaling_leaves_the_graph_as_captured(cfg) -> None:  # noqa: ANN001
+    step = mlp_step(cfg)
+    code = step.gm.code
+    gm = apply_dls(step.gm, cfg)
+    gm.recompile()
+    assert gm.code == code
+
+
+def test_bfloat16_lowers_precision_without_scaling() -> None:
+    cfg = DLSConfig(fp16_type="bfloat16")
+    gm = apply_dls(mlp_step(cfg).gm, cfg)
+    rs = [roles.role_of(n) for n in gm.graph.nodes]
+    assert roles.CAST in rs and roles.SCALED_SEED not in rs and roles.UNSCALE not in rs
+
+
+def test_input_graph_without_roles_is_rejected() -> None:
+    gm = copy.deepcopy(mlp_step().gm)
+    for n in gm.graph.nodes:
+        n.meta.get("custom", {}).pop("dlspass_role", None)
+    with pytest.raises(Exception, match="backward_seed"):
+        apply_dls(gm, DLSConfig())
+
+
+def test_real_capture_adam_overflow_skips_bit_identically() -> None:
+    functional = pytest.importorskip("dlspass.capture.functional")
+    from dlspass.models import MLP, mse_loss
+
+    torch.manual_seed(0)
+    model = MLP(d_in=4, d_hidden=8, d_out=3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = (torch.randn(5, 4), torch.randn(5, 3))
+    cfg = DLSConfig(max_gradient_norm=1.0)
+    step = functional.capture_step(model, mse_loss, opt, batch, config=cfg)
+    assert verify_ok(step.graph_module)
+    step(batch)  # one clean step: Adam moments and step count become non-trivial
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = {k: v.clone() for k, v in step._fopt.state_tensors().items()}
+    step.scaler.state = step.scaler.state._replace(loss_scale=torch.tensor(3.4e38))
+    step((batch[0] * 100, batch[1] * 100))
+    for k, v in model.named_parameters():
+        assert torch.equal(v.detach(), params[k]), k
+    after = step._fopt.state_tensors()
+    assert set(after) == set(state) and any("step" in k for k in state)
+    for k, v in state.items():
+        assert torch.equal(after[k], v), k
+    assert int(step.scaler.state.num_skipped_steps) == 1
+    assert float(step.scaler.state.loss_scale) == 32768.0  # halved, then capped at the max
+
+
+def verify_ok(gm) -> bool:  # noqa: ANN001
+    from dlspass.verify import verify
+
+    return verify(gm)
+
+
+def test_recorded_config_survives_torch_export() -> None:
+    cfg = DLSConfig(mixed_precision=False, max_gradient_norm=2.0)
+    step = mlp_step(cfg)
+    gm = apply_dls(step.gm, cfg)
+    ep = torch.export.export(gm, tuple(step.inputs()), strict=False)
+    exported = ep.graph_module
+    assert recorded_config(exported) == cfg
+    with pytest.raises(PassContractError, match="already rewritten"):
+        apply_dls(exported, DLSConfig())

@@ -1,0 +1,93 @@
+"""UnscaleGradsPass: the optimizer reads grads × 1/scale; one overflow flag by the policy's method."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from dlspass.passes import ScaleSeedPass, UnscaleGradsPass
+from stepgraph import eager_grads, mlp_step, node_values
+
+from dlspass import roles
+from dlspass.config import DLSConfig
+from dlspass.scale_policy import init_state
+
+
+def _apply(cfg: DLSConfig):  # noqa: ANN202
+    step = mlp_step(cfg)
+    for p in (ScaleSeedPass(cfg), UnscaleGradsPass(cfg)):
+        p(step.gm)
+    step.gm.recompile()
+    return step
+
+
+def _global(gm, role: str):  # noqa: ANN001, ANN202
+    return [n for n in roles.nodes_with_role(gm.graph, role) if roles.target_of(n) == "global"]
+
+
+def test_every_grad_is_read_through_one_unscale_node() -> None:
+    cfg = DLSConfig(mixed_precision=False)
+    gm = _apply(cfg).gm
+    grads = roles.nodes_with_role(gm.graph, roles.GRAD)
+    assert len(grads) == 6
+    for g in grads:
+        (u,) = g.users
+        assert roles.role_of(u) == roles.UNSCALE and roles.target_of(u) == roles.target_of(g)
+        assert roles.pass_of(u) == "unscale_grads"
+    recips = [n for n in roles.nodes_with_role(gm.graph, roles.UNSCALE)
+              if n.target is torch.ops.aten.reciprocal.default]
+    seed_scale = roles.the_node(gm.graph, roles.SCALED_SEED).args[1]
+    assert len(recips) == 1 and recips[0].args[0] is seed_scale  # the seed's own placeholder
+    assert len(_global(gm, roles.ISFINITE)) == 1 and len(_global(gm, roles.GRAD_NORM)) == 1
+
+
+def test_unscaled_grads_norm_and_flag_match_eager() -> None:
+    cfg = DLSConfig(mixed_precision=False, initial_loss_scale=2.0**12)
+    step = _apply(cfg)
+    gm = step.gm
+    unscaled = [n for n in roles.nodes_with_role(gm.graph, roles.UNSCALE) if roles.target_of(n)]
+    nodes = [*unscaled, *_global(gm, roles.ISFINITE), *_global(gm, roles.GRAD_NORM)]
+    vals = node_values(gm, step.inputs(), nodes)
+    ref = eager_grads(step)
+    for n, v in zip(unscaled, vals, strict=False):
+        torch.testing.assert_close(v, ref[roles.target_of(n)], rtol=1e-6, atol=1e-7)
+    norm64 = math.sqrt(sum(float((g.double() ** 2).sum()) for g in ref.values()))
+    assert bool(vals[-2]) is True
+    assert float(vals[-1]) == pytest.approx(norm64, rel=1e-6)
+    bad = node_values(gm, step.inputs(batch=[step.batch[0] * float("nan"), step.batch[1]]), nodes)
+    assert bool(bad[-2]) is False
+
+
+def test_a_scale_that_overflows_the_backward_is_flagged() -> None:
+    cfg = DLSConfig(mixed_precision=False)
+    step = _apply(cfg)
+    flag = _global(step.gm, roles.ISFINITE)
+    huge = init_state(cfg)._replace(loss_scale=torch.tensor(3e38))
+    big = [step.batch[0] * 100, step.batch[1] * 100]  # finite gradients of order 100 ...
+    (ok,) = node_values(step.gm, step.inputs(batch=big), flag)
+    assert bool(ok) is True
+    (ok,) = node_values(step.gm, step.inputs(state=huge, batch=big), flag)
+    assert bool(ok) is False  # ... that the scale pushes past float32's range
+
+
+def test_all_finite_policy_has_no_norm_unless_clipping() -> None:
+    gm = _apply(DLSConfig(policy="torch", mixed_precision=False)).gm
+    assert len(_global(gm, roles.ISFINITE)) == 1 and not _global(gm, roles.GRAD_NORM)
+    gm = _apply(DLSConfig(policy="torch", max_gradient_norm=1.0, mixed_precision=False)).gm
+    assert len(_global(gm, roles.GRAD_NORM)) == 1
+
+
+def test_static_scale_unscales_without_a_check() -> None:
+    gm = _apply(DLSConfig(loss_scale=8.0, mixed_precision=False)).gm
+    assert roles.nodes_with_role(gm.graph, roles.UNSCALE)
+    assert not roles.nodes_with_role(gm.graph, roles.ISFINITE)
+
+
+def test_idempotent() -> None:
+    cfg = DLSConfig(mixed_precision=False)
+    gm = _apply(cfg).gm
+    code = gm.code
+    assert not UnscaleGradsPass(cfg)(gm).modified
+    gm.recompile()
+    assert gm.code == code
