@@ -217,3 +217,22 @@ def test_batch_structure_mismatch_is_an_error():
     step = dlspass.capture_step(model, loss_fn, opt, batch(0))
     with pytest.raises(CaptureError, match="batch structure"):
         step((batch(0)["x"], batch(0)["y"]))
+
+
+def test_parameter_unused_by_the_loss_is_not_updated_like_torch_optim():
+    model = MLP()
+    model.unused = torch.nn.Linear(3, 3)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(2, 8)
+    step = dlspass.capture_step(model, lambda m, b: m(b).sum(), opt, x,
+                                config=dlspass.DLSConfig(mixed_precision=False))
+    for _ in range(3):
+        step(x)
+        ref(x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert torch.equal(model.unused.weight, ref.unused.weight)
+    assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
+    _assert_close(dict(model.named_parameters()), dict(ref.named_parameters()))

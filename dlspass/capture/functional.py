@@ -87,7 +87,25 @@ def trace_step(
     example_batch: Any,
     config: DLSConfig | None = None,
 ) -> tuple[fx.GraphModule, StepLayout, Any]:
-    """The un-rewritten, role-tagged step graph, its input layout and the functional optimizer."""
+    """The un-rewritten, role-tagged step graph, its input layout and the functional optimizer.
+
+    Parameters the loss does not use get no gradient in eager PyTorch (``p.grad is None``) and
+    torch.optim skips them; ``vjp`` gives them zeros instead, so they are found in a first trace
+    and left out of the update in a second one (Adam would otherwise move them).
+    """
+    gm, layout, fopt = _trace(model, loss_fn, optimizer, example_batch, config, frozenset())
+    unused = frozenset(
+        roles.target_of(n) for n in gm.graph.nodes
+        if roles.role_of(n) == roles.GRAD and n.target is torch.ops.aten.zeros_like.default
+        and n.args[0].op == "placeholder")
+    if unused:
+        gm, layout, fopt = _trace(model, loss_fn, optimizer, example_batch, config, unused)
+    return gm, layout, fopt
+
+
+def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
+           optimizer: torch.optim.Optimizer, example_batch: Any, config: DLSConfig | None,
+           unused: frozenset[str]) -> tuple[fx.GraphModule, StepLayout, Any]:
     from .optim import functionalize
 
     _check_params(model)
@@ -140,7 +158,7 @@ def trace_step(
         loss = mark(loss, roles.LOSS)
         seed = mark(torch.ones_like(loss), roles.SEED)
         (grads,) = vjp_fn(seed)
-        grads = {k: mark(g, roles.GRAD, k) for k, g in grads.items() if k in in_opt}
+        grads = {k: mark(g, roles.GRAD, k) for k, g in grads.items() if k in in_opt and k not in unused}
         new_p, new_o = fopt.update({k: p_in[k] for k in updated}, grads, o_in, h_in)
         return (*[new_p[k] for k in updated], *[new_b[k] for k in layout.buffers],
                 *[new_o[k] for k in layout.opt_state], *s_in, loss)
