@@ -167,7 +167,7 @@ def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
                *[x for x in leaves if isinstance(x, Tensor)]]
     flat_in = [x.detach() for x in flat_in]
     try:
-        gm = make_fx(torch.func.functionalize(flat_step, remove="mutations_and_views"),
+        gm = make_fx(torch.func.functionalize(flat_step, remove="mutations"),
                      tracing_mode="fake", decomposition_table=_DECOMPOSITIONS)(*flat_in)
     except CaptureError:
         raise
