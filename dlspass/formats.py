@@ -1,0 +1,479 @@
+"""Reduced-precision float formats (float16, bfloat16, cbfloat16) emulated in float32.
+
+Every value of a format here is exactly representable in float32, so a tensor "in" a format is a
+float32 tensor whose values were rounded, once, from float32 with round-to-nearest-even
+(cbfloat16 is never produced through float16: double rounding would be wrong at ties).
+
+Semantics of ``round_to_format(x, fmt, saturate=False, flush_to_zero=False)``:
+
+- finite values round to nearest, ties to even, with the format's subnormals kept;
+- a finite value that rounds past the largest finite value becomes ±inf, or ±max with
+  ``saturate=True``; ±inf inputs stay ±inf and NaN stays NaN in both modes (saturation is about
+  finite values that the narrow format cannot hold, not about values that were already infinite);
+- with ``flush_to_zero=True`` a result whose magnitude is below the minimum normal becomes a zero
+  of the input's sign (rounding happens first, as if subnormals existed, so a value just below
+  the minimum normal that rounds up to it is kept);
+- -0.0 stays -0.0; NaN payloads are not specified (the bit form keeps the input's bits).
+
+There are three implementations that agree bitwise (NaN payloads aside):
+
+1. ``round_to_format``: the ``dlspass::round_to_format`` custom op (traceable, shows by name in
+   FX graphs, straight-through gradient). Its eager kernel uses native casts for float16 and
+   bfloat16 without switches. Otherwise, for tensors of at least ``COMPILE_MIN_NUMEL`` elements
+   (4M) outside any trace, it runs ``round_bits`` compiled by inductor (compiled lazily on first
+   use, one kernel per format and switch combination, dynamic shapes; any compile failure
+   warns once and falls back for the rest of the process; ``DLSPASS_ROUNDING_COMPILE=0`` turns
+   it off). Smaller tensors, and the fallback, run the bit form in place on chunks that stay in
+   L2 and below ATen's parallel grain size.
+2. ``round_bits``: int32 bit arithmetic made of plain aten ops, so inductor fuses it into one
+   loop; ``decompose_rounding`` swaps the custom op for it inside an FX graph.
+3. ``round_arith``: float arithmetic only (log2, exp2, round, where) for exporters that have no
+   bitcast (ONNX).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "BFLOAT16",
+    "CBFLOAT16",
+    "FLOAT16",
+    "FORMATS",
+    "Format",
+    "decompose_rounding",
+    "get_format",
+    "round_arith",
+    "round_bits",
+    "round_to_format",
+]
+
+_F32_MANT = 23
+_F32_BIAS = 127
+_INF_BITS = 0x7F800000
+_ABS_MASK = 0x7FFFFFFF
+_SIGN_MASK = -(2**31)  # 0x80000000 as a signed int32
+_CHUNK = 32000  # eager chunk: < ATen's 32768 parallel grain, ~500 KiB of buffers fit in L2
+# Tensors at least this large use a lazily compiled (inductor, one fused loop) bit kernel in
+# eager mode; tests and tiny models never reach it. DLSPASS_ROUNDING_COMPILE=0 turns it off.
+COMPILE_MIN_NUMEL = 1 << 22
+
+
+@dataclass(frozen=True)
+class Format:
+    """An IEEE-like binary float format with subnormals and an all-ones exponent for inf/NaN.
+
+    ``max`` is the largest finite value, ``min_normal``/``min_subnormal`` the smallest positive
+    normal/subnormal values and ``eps`` the gap between 1 and the next value. ``torch_dtype`` is
+    the native dtype when PyTorch has one.
+    """
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    max: float
+    min_normal: float
+    min_subnormal: float
+    eps: float
+    torch_dtype: torch.dtype | None = None
+
+    @property
+    def min_exponent(self) -> int:
+        """Unbiased exponent of the minimum normal value."""
+        return 1 - self.bias
+
+
+def _make_format(name: str, exponent_bits: int, mantissa_bits: int, dtype: torch.dtype | None) -> Format:
+    bias = 2 ** (exponent_bits - 1) - 1
+    emax = 2**exponent_bits - 2 - bias
+    emin = 1 - bias
+    return Format(
+        name=name,
+        exponent_bits=exponent_bits,
+        mantissa_bits=mantissa_bits,
+        bias=bias,
+        max=math.ldexp(2.0 - 2.0**-mantissa_bits, emax),
+        min_normal=math.ldexp(1.0, emin),
+        min_subnormal=math.ldexp(1.0, emin - mantissa_bits),
+        eps=2.0**-mantissa_bits,
+        torch_dtype=dtype,
+    )
+
+
+FLOAT16 = _make_format("float16", 5, 10, torch.float16)
+BFLOAT16 = _make_format("bfloat16", 8, 7, torch.bfloat16)
+CBFLOAT16 = _make_format("cbfloat16", 6, 9, None)
+FORMATS: dict[str, Format] = {f.name: f for f in (FLOAT16, BFLOAT16, CBFLOAT16)}
+_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "cb16": "cbfloat16"}
+
+
+def get_format(fmt: str | Format | torch.dtype) -> Format:
+    """Return the ``Format`` named by ``fmt`` (a Format, a name or alias, or a torch dtype)."""
+    if isinstance(fmt, Format):
+        return fmt
+    if isinstance(fmt, torch.dtype):
+        for f in FORMATS.values():
+            if f.torch_dtype == fmt:
+                return f
+        raise ValueError(f"no dlspass format for dtype {fmt}; known: {', '.join(FORMATS)}")
+    if isinstance(fmt, str):
+        key = _ALIASES.get(fmt.lower(), fmt.lower())
+        if key in FORMATS:
+            return FORMATS[key]
+        raise ValueError(f"unknown float format {fmt!r}; known: {', '.join(FORMATS)}")
+    raise TypeError(f"float format must be a name or Format, got {type(fmt).__name__}")
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"round_to_format expects a tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_to_format expects a float32 tensor, got {x.dtype}")
+
+
+def _f32_bits(value: float) -> int:
+    """Bits of a positive float32-normal ``value`` (plain arithmetic: dynamo traces through it)."""
+    m, e = math.frexp(value)  # value = m * 2**e, 0.5 <= m < 1
+    return ((e - 1 + _F32_BIAS) << _F32_MANT) | int((2 * m - 1) * 2**_F32_MANT)
+
+
+@dataclass(frozen=True)
+class _Consts:
+    shift: int  # mantissa bits dropped from float32
+    round_bias: int  # half an ulp minus one, in the dropped bits
+    keep_mask: int  # clears the dropped bits
+    max_bits: int
+    min_normal_bits: int
+    min_normal: float
+    has_subnormal_path: bool  # format subnormals are float32 normals: need a wider shift
+
+
+_CONSTS: dict[str, _Consts] = {}
+
+
+def _consts(fmt: Format) -> _Consts:
+    c = _CONSTS.get(fmt.name)
+    if c is None:
+        if fmt.exponent_bits > 8 or fmt.mantissa_bits > _F32_MANT:
+            raise ValueError(f"format {fmt.name!r} does not fit in float32")
+        shift = _F32_MANT - fmt.mantissa_bits
+        c = _Consts(
+            shift=shift,
+            round_bias=(1 << (shift - 1)) - 1 if shift else 0,
+            keep_mask=~((1 << shift) - 1),
+            max_bits=_f32_bits(fmt.max),
+            min_normal_bits=_f32_bits(fmt.min_normal),
+            min_normal=fmt.min_normal,
+            has_subnormal_path=fmt.min_exponent > 1 - _F32_BIAS,
+        )
+        _CONSTS[fmt.name] = c
+    return c
+
+
+for _f in FORMATS.values():  # precomputed so traced code only does a dict lookup
+    _consts(_f)
+
+
+def round_bits(
+    x: torch.Tensor, fmt: str | Format, saturate: bool = False, flush_to_zero: bool = False
+) -> torch.Tensor:
+    """Round float32 ``x`` to ``fmt`` with int32 bit arithmetic (plain aten ops, fusable).
+
+    Same semantics as ``round_to_format``; NaN inputs come back with their bits unchanged.
+    """
+    _check_input(x)
+    c = _consts(get_format(fmt))
+    u = x.view(torch.int32)
+    a = u & _ABS_MASK
+    # clamping NaNs to inf keeps the rounding add below int32 overflow; NaNs are restored last
+    ac = torch.clamp(a, max=_INF_BITS)
+    r = (ac + (c.round_bias + ((ac >> c.shift) & 1))) & c.keep_mask
+    if c.has_subnormal_path:
+        # below the format's min normal the quantum is fixed: shift the full significand right by
+        # (shift + exponent deficit), round half to even, and rebuild min_normal + q*quantum so a
+        # float subtraction of min_normal (exact) normalises the result
+        s = torch.clamp((c.shift + (c.min_normal_bits >> 23)) - (ac >> 23), 1, 31)
+        m = (ac & 0x007FFFFF) | 0x00800000
+        half = torch.bitwise_left_shift(1, s - 1)
+        q = (m + (half - 1 + ((m >> s) & 1))) >> s
+        sub = ((q << c.shift) + c.min_normal_bits).view(torch.float32) - c.min_normal
+        r = torch.where(ac < c.min_normal_bits, sub.view(torch.int32), r)
+    if saturate:
+        r = torch.where(ac >= _INF_BITS, _INF_BITS, torch.clamp(r, max=c.max_bits))
+    else:
+        r = torch.where(r > c.max_bits, _INF_BITS, r)
+    if flush_to_zero:
+        r = torch.where(r < c.min_normal_bits, 0, r)
+    out = torch.where(a > _INF_BITS, u, r | (u & _SIGN_MASK))
+    return out.view(torch.float32)
+
+
+def round_arith(
+    x: torch.Tensor, fmt: str | Format, saturate: bool = False, flush_to_zero: bool = False
+) -> torch.Tensor:
+    """Round float32 ``x`` to ``fmt`` with float arithmetic only (no bitcast; ONNX-exportable).
+
+    Exact for every float32 input: the exponent from ``log2`` is corrected against ``exp2`` of
+    itself, the quantum is a power of two (so dividing by it is exact) and ``torch.round`` rounds
+    half to even.
+    """
+    _check_input(x)
+    f = get_format(fmt)
+    ax = torch.abs(x)
+    finite_nonzero = torch.isfinite(ax) & (ax > 0)
+    safe = torch.where(finite_nonzero, ax, 1.0)
+    e = torch.floor(torch.log2(safe))
+    # log2 may round across a power of two; one step either way fixes it
+    e = torch.where(torch.exp2(e) > safe, e - 1, e)
+    e = torch.where(torch.exp2(e + 1) <= safe, e + 1, e)
+    e = torch.clamp(e, min=float(f.min_exponent))
+    quantum = torch.exp2(e - f.mantissa_bits)
+    r = torch.round(safe / quantum) * quantum
+    if saturate:
+        r = torch.clamp(r, max=f.max)
+    else:
+        r = torch.where(r > f.max, math.inf, r)
+    if flush_to_zero:
+        r = torch.where(r < f.min_normal, 0.0, r)
+    r = torch.where(finite_nonzero, r, ax)  # zeros, infs, NaNs pass through
+    # The sign goes on with a multiply: onnxruntime's Where returns +0.0 when selecting a -0.0
+    # input, and negation may be lowered to 0 - r. 1/x < 0 catches x == -0.0.
+    negative = (x < 0) | (torch.reciprocal(x) < 0)
+    return r * torch.where(negative, -1.0, 1.0)
+
+
+def _native_ok(f: Format, saturate: bool, flush_to_zero: bool) -> bool:
+    return f.torch_dtype is not None and not saturate and not flush_to_zero
+
+
+# one compiled kernel per (format, saturate, flush_to_zero); each gets its own code object so
+# that dynamo's per-code recompile limit (8) is never shared between them
+_COMPILED: dict[tuple[str, bool, bool], object] = {}
+_compile_failed = False
+
+
+def _compile_allowed(x: torch.Tensor) -> bool:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (
+        not _compile_failed
+        and x.numel() >= COMPILE_MIN_NUMEL
+        and os.environ.get("DLSPASS_ROUNDING_COMPILE", "1") != "0"
+        and not torch.compiler.is_compiling()
+        and not torch.fx._symbolic_trace.is_fx_tracing()  # make_fx in real mode runs kernels
+        and _get_current_dispatch_mode() is None
+    )
+
+
+def _compiled_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: bool) -> torch.Tensor | None:
+    """Run the bit form through inductor; None (and never again) if compiling fails."""
+    global _compile_failed
+    key = (f.name, saturate, flush_to_zero)
+    try:
+        kernel = _COMPILED.get(key)
+        if kernel is None:
+            base = _bit_fn(*key)
+            name = f"round_bits_{f.name}_{int(saturate)}{int(flush_to_zero)}"
+            code = base.__code__.replace(co_name=name, co_qualname=name)
+            fresh = types.FunctionType(code, base.__globals__, name, None, base.__closure__)
+            kernel = _COMPILED[key] = torch.compile(fresh, dynamic=True, fullgraph=True)
+        return kernel(x)
+    except Exception as err:  # noqa: BLE001 - any compiler failure means "use the eager path"
+        _compile_failed = True
+        warnings.warn(
+            f"dlspass: compiled rounding kernel unavailable, using eager ops ({err!r:.200})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def _eager_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: bool) -> torch.Tensor:
+    if _native_ok(f, saturate, flush_to_zero):
+        return x.to(f.torch_dtype).to(torch.float32)
+    if _compile_allowed(x):
+        out = _compiled_round(x, f, saturate, flush_to_zero)
+        if out is not None:
+            return out
+    # chunks stay in L2 and below ATen's parallel grain size: the ~15 passes below then cost
+    # cache bandwidth, not DRAM bandwidth, and no thread-pool barrier per op
+    src = x.contiguous().view(-1).view(torch.int32)
+    n = src.numel()
+    out = torch.empty_like(src)
+    k = min(n, _CHUNK)
+    scratch = (torch.empty(k, dtype=torch.int32), torch.empty(k, dtype=torch.bool),
+               torch.empty(k, dtype=torch.bool))
+    c = _consts(f)
+    for start in range(0, n, _CHUNK):
+        stop = min(start + _CHUNK, n)
+        _round_chunk(src[start:stop], out[start:stop], *(t[: stop - start] for t in scratch),
+                     c, saturate, flush_to_zero)
+    return out.view(torch.float32).view(x.shape)
+
+
+def _round_chunk(
+    u: torch.Tensor,
+    o: torch.Tensor,
+    a: torch.Tensor,
+    m: torch.Tensor,
+    nan: torch.Tensor,
+    c: _Consts,
+    saturate: bool,
+    flush_to_zero: bool,
+) -> None:
+    """In-place version of ``round_bits`` on int32 views (``u`` in, ``o`` out, rest scratch)."""
+    torch.bitwise_and(u, _ABS_MASK, out=a)
+    torch.gt(a, _INF_BITS, out=nan)
+    has_nan = bool(nan.any())
+    if has_nan:  # keeps the rounding add below int32 overflow
+        a.clamp_(max=_INF_BITS)
+    torch.bitwise_right_shift(a, c.shift, out=o)
+    o.bitwise_and_(1).add_(a).add_(c.round_bias).bitwise_and_(c.keep_mask)
+    if c.has_subnormal_path:
+        torch.lt(a, c.min_normal_bits, out=m)
+        if m.any():
+            # ulp(magic) is the format's subnormal quantum, so the IEEE float32 add rounds half
+            # to even exactly as the shift form of round_bits does; the subtraction is exact
+            magic = c.min_normal * 2.0**c.shift
+            idx = m.nonzero().squeeze(1)
+            fa = a.index_select(0, idx).view(torch.float32)
+            o.index_copy_(0, idx, ((fa + magic) - magic).view(torch.int32))
+    if saturate:
+        torch.ge(a, _INF_BITS, out=m)
+        o.clamp_(max=c.max_bits).masked_fill_(m, _INF_BITS)
+    else:
+        torch.gt(o, c.max_bits, out=m)
+        o.masked_fill_(m, _INF_BITS)
+    if flush_to_zero:
+        torch.lt(o, c.min_normal_bits, out=m)
+        o.masked_fill_(m, 0)
+    torch.bitwise_and(u, _SIGN_MASK, out=a)
+    o.bitwise_or_(a)
+    if has_nan:
+        torch.where(nan, u, o, out=o)
+
+
+@torch.library.custom_op("dlspass::round_to_format", mutates_args=())
+def _round_to_format_op(x: torch.Tensor, fmt: str, saturate: bool, flush_to_zero: bool) -> torch.Tensor:
+    f = get_format(fmt)
+    _check_input(x)
+    return _eager_round(x, f, saturate, flush_to_zero)
+
+
+@_round_to_format_op.register_fake
+def _round_to_format_fake(x: torch.Tensor, fmt: str, saturate: bool, flush_to_zero: bool) -> torch.Tensor:
+    get_format(fmt)
+    _check_input(x)
+    return torch.empty_like(x)
+
+
+def _round_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202 - autograd protocol
+    # straight-through: rounding is treated as identity for the gradient
+    return grad, None, None, None
+
+
+_round_to_format_op.register_autograd(_round_backward)
+
+
+def round_to_format(
+    x: torch.Tensor,
+    fmt: str | Format,
+    *,
+    saturate: bool = False,
+    flush_to_zero: bool = False,
+) -> torch.Tensor:
+    """Round float32 ``x`` to ``fmt`` (returns float32 of ``x``'s shape) via the custom op.
+
+    See the module docstring for overflow, saturation, flush-to-zero, signed-zero and NaN rules.
+    The op is ``torch.ops.dlspass.round_to_format.default`` in traced graphs; its gradient passes
+    through unchanged.
+    """
+    _check_input(x)
+    f = get_format(fmt)
+    return torch.ops.dlspass.round_to_format(x, f.name, bool(saturate), bool(flush_to_zero))
+
+
+def _is_round_node(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (
+        torch.ops.dlspass.round_to_format.default,
+        torch.ops.dlspass.round_to_format,
+    )
+
+
+def _node_args(node: fx.Node) -> tuple[fx.Node, str, bool, bool]:
+    names = ("x", "fmt", "saturate", "flush_to_zero")
+    vals = dict(zip(names, node.args, strict=False))
+    vals.update(node.kwargs)
+    return vals["x"], vals["fmt"], bool(vals["saturate"]), bool(vals["flush_to_zero"])
+
+
+def _bit_fn(fmt: str, saturate: bool, flush_to_zero: bool):  # noqa: ANN202 - make_fx target
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return round_bits(t, fmt, saturate, flush_to_zero)
+
+    return fn
+
+
+def decompose_rounding(gm: fx.GraphModule) -> int:
+    """Replace each ``dlspass::round_to_format`` node in ``gm`` by the traced ``round_bits`` ops.
+
+    The bit form is traced with ``make_fx`` on the node input's fake value (so the new nodes
+    carry valid ``meta["val"]``) and spliced in place. Returns the number of nodes replaced;
+    ``gm`` is recompiled when it changed.
+    """
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not _is_round_node(node):
+            continue
+        x_node, fmt, saturate, ftz = _node_args(node)
+        val = x_node.meta.get("val") if isinstance(x_node, fx.Node) else None
+
+        fn = _bit_fn(fmt, saturate, ftz)
+        if isinstance(val, torch.Tensor) and detect_fake_mode([val]) is not None:
+            mode = detect_fake_mode([val])
+            mode_kind = "symbolic" if mode.shape_env is not None else "fake"
+            with mode:
+                sub = make_fx(fn, tracing_mode=mode_kind)(val)
+            keep_val = True
+        else:
+            sub = make_fx(fn)(torch.zeros(1, dtype=torch.float32))
+            keep_val = False
+        placeholder = next(n for n in sub.graph.nodes if n.op == "placeholder")
+        val_map: dict[fx.Node, fx.Node] = {placeholder: x_node}
+        for sn in sub.graph.nodes:
+            if sn.op == "get_attr":  # constants lifted by make_fx: copy them into gm
+                name = f"_dlspass_round_const_{count}_{sn.target}"
+                setattr(gm, name, getattr(sub, sn.target))
+                with gm.graph.inserting_before(node):
+                    val_map[sn] = gm.graph.get_attr(name)
+                val_map[sn].meta.update(sn.meta)
+        with gm.graph.inserting_before(node):
+            out = gm.graph.graph_copy(sub.graph, val_map)
+        if not keep_val:
+            for sn in sub.graph.nodes:
+                mapped = val_map.get(sn)
+                if mapped is not None and mapped is not x_node:
+                    mapped.meta.pop("val", None)
+                    mapped.meta.pop("tensor_meta", None)
+        if isinstance(out, fx.Node):
+            for key in ("custom", "stack_trace", "nn_module_stack"):
+                if key in node.meta and key not in out.meta:
+                    out.meta[key] = node.meta[key]
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
