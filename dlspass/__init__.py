@@ -44,6 +44,7 @@ _LAZY = {
     "capture_step": "dlspass.capture.functional",
     "CapturedStep": "dlspass.capture.functional",
     "CaptureError": "dlspass.capture.functional",
+    "capture_step_distributed": "dlspass.distributed",
     "verify": "dlspass.verify",
     "VerificationError": "dlspass.verify",
     "compile": "dlspass.compile_step",

@@ -29,6 +29,12 @@ value, the flag is read once so that, on overflow, that state can be removed aga
 first step then leaves the optimizer exactly as a fresh one (torch's own fused SGD leaves an
 uninitialised momentum buffer there). After the first successful step this never happens again.
 
+Distributed training (``dlspass.distributed``): once ``torch.distributed`` is initialised the
+scaler agrees over the default process group (``process_group=`` overrides) with one on-device
+``all_reduce`` per optimizer and iteration, which gives both the global gradient norm (FSDP2
+shards summed, DDP replicas counted once) and an overflow flag every rank shares; DTensor
+gradients and parameters are handled through their local shards.
+
 The scale-floor signal (`ScaleFloorWarning`, or `ScaleFloorError` with
 ``on_scale_floor="raise"``) reads the floor counter lazily: in ``get_scale()``, in
 ``state_dict()`` and once every ``FLOOR_CHECK_EVERY`` updates - never once per step.
@@ -44,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import distributed, scale_policy
 from .config import DLSConfig
 from .scale_policy import (
     STATE_DTYPES,
@@ -121,6 +128,8 @@ class GradScaler:
             `DLSConfig` (``None`` means the policy's default).
         config: a ready `DLSConfig` instead of the keywords (not both).
         device: where the state lives; ``None`` moves it lazily to the first scaled loss.
+        process_group: the group ranks agree over (``None``: the default group when
+            ``torch.distributed`` is initialised; nothing is communicated with one rank).
 
     ``found_inf`` is a property: the last finished iteration's overflow flag (0-d bool tensor).
     """
@@ -142,6 +151,7 @@ class GradScaler:
         device: torch.device | str | None = None,
         *,
         initial_loss_scale: float | None = None,
+        process_group: Any = None,
     ) -> None:
         if init_scale is not None and initial_loss_scale is not None:
             raise ValueError("init_scale and initial_loss_scale are aliases: give only one")
@@ -173,10 +183,12 @@ class GradScaler:
                 max_gradient_norm=max_gradient_norm, max_gradient_value=max_gradient_value,
                 fp16_type=fp16_type, policy=policy, on_scale_floor=on_scale_floor,  # type: ignore[arg-type]
             )
-        self._setup(config, device)
+        self._setup(config, device, process_group)
 
-    def _setup(self, config: DLSConfig, device: torch.device | str | None) -> None:
+    def _setup(self, config: DLSConfig, device: torch.device | str | None,
+               process_group: Any = None) -> None:
         self.config = config
+        self.process_group = process_group
         self._cfg = config  # the active config: bfloat16 pass-through replaces it
         self._lazy_device = device is None
         self.state: ScalerState = init_state(config, device)
@@ -264,6 +276,11 @@ class GradScaler:
         if not self._needs_grad_work():
             rec["isfinite"] = torch.ones((), dtype=torch.bool, device=device)
             return
+        group = distributed.resolve_group(self.process_group)
+        if group is not None:
+            # a collective: every rank runs it, also one with no gradients
+            rec["isfinite"] = self._unscale_distributed(optimizer, group).to(device)
+            return
         grads = [p.grad for p in _params_with_grad(optimizer)]
         if not grads:
             rec["isfinite"] = torch.ones((), dtype=torch.bool, device=device)
@@ -282,6 +299,25 @@ class GradScaler:
             out, isfinite, _ = dls_tail(grads, scale, cfg)
             torch._foreach_copy_(grads, out)
         rec["isfinite"] = isfinite.to(device)
+
+    def _unscale_distributed(self, optimizer: torch.optim.Optimizer, group: Any) -> Tensor:
+        """`unscale_` on local shards, with the flag and norm agreed over ``group``."""
+        params = _params_with_grad(optimizer)
+        grads = [distributed.local_tensor(p.grad) for p in params]
+        sharded = [distributed.is_sharded(p.grad) for p in params]
+        cfg = self._cfg
+        scale = self.state.loss_scale
+        if grads:
+            scale = scale.to(grads[0].device)
+        if cfg.enabled:
+            unscaled = scale_policy.unscale(grads, scale)
+        else:
+            unscaled = [g.to(torch.float32) for g in grads]
+        isfinite, norm = distributed.check_overflow_distributed(
+            unscaled, sharded, cfg, group, device=scale.device)
+        if grads:
+            torch._foreach_copy_(grads, clip(unscaled, norm, cfg))
+        return isfinite
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Tensor:
         """Unscale if not done yet, then step unless this optimizer's gradients overflowed.
@@ -365,13 +401,14 @@ class GradScaler:
     def _masked_step(self, optimizer: torch.optim.Optimizer, ok: Tensor) -> None:
         params = _params_with_grad(optimizer)
         before = self._state_keys(optimizer, params)
-        live: list[Tensor] = [p.data for p in params]
+        # DTensor parameters and state (FSDP2): snapshot and restore this rank's shards
+        live: list[Tensor] = [distributed.local_tensor(p.data) for p in params]
         scalars: list[tuple] = []
         for p in params:
             st = optimizer.state.get(p, {})
             for k, v in st.items():
                 if isinstance(v, Tensor):
-                    live.append(v)
+                    live.append(distributed.local_tensor(v))
                 else:
                     scalars.append((st, k, v))
         saved = self._snapshot(optimizer, live)
@@ -533,6 +570,8 @@ class TorchGradScaler(GradScaler):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
+        *,
+        process_group: Any = None,
     ) -> None:
         if enabled and device == "cuda" and not torch.cuda.is_available():
             warnings.warn("dlspass.TorchGradScaler is enabled, but CUDA is not available. "
@@ -544,7 +583,7 @@ class TorchGradScaler(GradScaler):
             steps_per_increase=growth_interval, growth_factor=growth_factor,
             backoff_factor=backoff_factor, policy="torch",
         )
-        self._setup(cfg, None)
+        self._setup(cfg, None, process_group)
 
 
 class HeldScheduler:

@@ -327,11 +327,16 @@ def capture_step(
     *,
     compile: bool = False,
     precision_mode: str = "emulate",
+    process_group: Any = None,
+    agree_flag: bool = True,
 ) -> CapturedStep:
     """Capture ``loss_fn(model, batch)`` + backward + ``optimizer`` as one graph, with DLS.
 
     ``config=None`` means fp32 with no scaling (the pipeline only captures). The returned
-    step runs eagerly by default and through inductor with ``compile=True``.
+    step runs eagerly by default and through inductor with ``compile=True``. With
+    ``process_group`` (e.g. ``torch.distributed.group.WORLD``) the graph averages gradients
+    over the group and agrees on the overflow flag with functional collectives, so one graph
+    is one data-parallel step (``None``: no collectives).
 
     Example:
         >>> import torch, dlspass
@@ -346,6 +351,12 @@ def capture_step(
     """
     from dlspass.passes import apply_dls
 
+    if process_group is not None:
+        from ..distributed import capture_step_distributed
+
+        return capture_step_distributed(
+            model, loss_fn, optimizer, example_batch, config, process_group=process_group,
+            agree_flag=agree_flag, compile=compile, precision_mode=precision_mode)
     gm, layout, fopt = trace_step(model, loss_fn, optimizer, example_batch, config)
     gm = apply_dls(gm, config, precision_mode=precision_mode)
     scaler = _make_scaler(config)

@@ -1,0 +1,352 @@
+"""Dynamic loss scaling under data parallelism (DDP) and sharding (FSDP2), on torch.distributed.
+
+Two places need ranks to agree:
+
+**Eager scaler** (`dlspass.GradScaler`, ``process_group=``; ``None`` means the default group
+once ``torch.distributed`` is initialised with more than one rank). Per optimizer and
+iteration, `check_overflow_distributed` runs ONE on-device ``all_reduce(SUM)`` of a 2-element
+float32 vector ``[sum of squares of the sharded gradients on this rank, non-finite flag of this
+rank]``:
+
+- sharded gradients (DTensor with a ``Shard`` placement: FSDP2) are the pieces of one global
+  tensor, so their squared norms add up over the ranks to the global squared norm;
+- replicated gradients (plain tensors under DDP, which already averaged them, or ``Replicate``
+  DTensors) are the same on every rank: summing their squares over ranks would multiply the
+  norm by the world size, so their squared norm stays local (identical on all ranks);
+- the flag: every rank adds 1 when something it holds is not finite (a NaN or inf in any local
+  gradient, in the cerebras policy also a local squared norm that overflows). A rank that saw
+  an inf no other rank saw (injected after DDP's reduction, or in its own shard) makes the sum
+  non-zero on all ranks, so all ranks skip together. SUM of 0/1 flags carries the same
+  information as MAX and lets one collective serve both the norm and the flag.
+
+Then ``norm = sqrt(local replicated squares + reduced sharded squares)`` (cerebras also requires
+``norm < inf``) and ``isfinite = (reduced flag == 0)``: both are computed from all-reduced values
+and from identical local values only, so every rank takes the same decision and keeps an
+identical scaler state. No host read: the collective is an ordinary in-place ``all_reduce``.
+
+**Captured step** (`capture_step_distributed`, or the two graph passes for the lead's
+``capture_step``): `insert_grad_allreduce` averages the gradients over the group with
+functional collectives inside the graph (one bucketed ``all_reduce`` per dtype, as DDP does),
+before DLS unscales them; `insert_flag_allreduce` adds one 4-byte ``all_reduce`` on the overflow
+flag after the DLS passes. Averaged gradients are bit-identical on every rank and inf/NaN
+propagate through the sum, so the flag all-reduce is insurance (``agree_flag=False`` drops it).
+
+**Checkpoints**: `dcp_state_dict` / `load_dcp_state_dict` put the scaler state in a
+``torch.distributed.checkpoint`` state dict (plain tensors: DCP treats them as replicated and
+writes them once); `save_scaler` / `load_scaler` do the whole round trip.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import Tensor, nn
+
+from . import roles
+from .config import DLSConfig
+
+LOCAL_GRAD = "local_grad"  # a rank's own gradient, before the in-graph all-reduce
+GRAD_ALLREDUCE = "grad_allreduce"
+FLAG_ALLREDUCE = "flag_allreduce"
+LOCAL = "local"  # target of the rank-local overflow flag once the global one exists
+PASS_NAME = "distributed"
+
+
+# ---- eager ---------------------------------------------------------------------------------------
+def resolve_group(process_group: Any = None) -> Any:
+    """The group the scaler agrees over, or None when there is nothing to agree with.
+
+    ``None`` means the default group when ``torch.distributed`` is initialised; a group of one
+    rank (or no initialised process group) needs no communication.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise RuntimeError("process_group was given but torch.distributed is not initialised")
+        return None
+    group = process_group if process_group is not None else dist.group.WORLD
+    if dist.get_world_size(group) <= 1:
+        return None
+    return group
+
+
+def is_dtensor(t: Tensor) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor``."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's piece of ``t`` (``to_local()`` for a DTensor; in-place ops write through)."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def is_sharded(t: Tensor) -> bool:
+    """True when ``t`` is a DTensor sharded over the ranks (its squares add up over them).
+
+    A ``Partial`` placement (a pending reduction) has no meaningful squared norm and is refused.
+    """
+    if not is_dtensor(t):
+        return False
+    placements = t.placements  # type: ignore[attr-defined]
+    if any(p.is_partial() for p in placements):
+        raise ValueError("dlspass: a gradient DTensor has a Partial placement (an unreduced "
+                         "gradient); reduce it before the scaler unscales it")
+    if t.device_mesh.ndim != 1 and any(p.is_shard() for p in placements):  # type: ignore[attr-defined]
+        raise NotImplementedError("dlspass: gradients sharded over a multi-dimensional device "
+                                  "mesh (HSDP) are not supported; use a 1-D FSDP2 mesh")
+    return any(p.is_shard() for p in placements)
+
+
+def _sum_squares(grads: Sequence[Tensor], device: torch.device) -> Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([torch.sum(g.float() * g.float()) for g in grads]).sum()
+
+
+def check_overflow_distributed(
+    unscaled: Sequence[Tensor],
+    sharded: Sequence[bool],
+    config: DLSConfig,
+    group: Any,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """``(isfinite, norm)`` agreed over ``group`` with one ``all_reduce(SUM)`` of 2 floats.
+
+    ``unscaled`` are this rank's local (unscaled) gradients; ``sharded[i]`` says whether the
+    i-th is a shard of a larger tensor (its squares are summed over ranks) or a replica (kept
+    local). ``norm`` is the global gradient norm when the policy or clipping needs it. With a
+    static scale no flag is needed: the collective then only runs for global-norm clipping.
+    Every rank must call this (also with no gradients): it is a collective.
+    """
+    if len(unscaled) != len(sharded):
+        raise ValueError(f"{len(unscaled)} gradients but {len(sharded)} sharded flags")
+    dev = torch.device(device) if device is not None else (
+        unscaled[0].device if unscaled else torch.device("cpu"))
+    need_norm = config.max_gradient_norm is not None or (
+        config.dynamic and config.overflow_check == "global_norm")
+    if not config.dynamic and not need_norm:
+        return torch.ones((), dtype=torch.bool, device=dev), None
+    rep = [g for g, s in zip(unscaled, sharded, strict=True) if not s]
+    shd = [g for g, s in zip(unscaled, sharded, strict=True) if s]
+    rep_sq = _sum_squares(rep, dev)
+    shd_sq = _sum_squares(shd, dev)
+    if not config.dynamic:
+        bad = torch.zeros((), dtype=torch.float32, device=dev)
+    elif config.overflow_check == "global_norm":
+        bad = (~((rep_sq + shd_sq) < float("inf"))).float()  # NaN counts too
+    else:
+        bad = (~torch.stack([torch.isfinite(g).all() for g in unscaled]).all()).float() \
+            if unscaled else torch.zeros((), dtype=torch.float32, device=dev)
+    vec = torch.stack([shd_sq, bad])
+    dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
+    norm = torch.sqrt(rep_sq + vec[0]) if need_norm else None
+    if not config.dynamic:
+        return torch.ones((), dtype=torch.bool, device=dev), norm
+    isfinite = vec[1] == 0
+    if config.overflow_check == "global_norm":
+        assert norm is not None
+        isfinite = isfinite & (norm < float("inf"))
+    return isfinite, norm
+
+
+# ---- captured step -------------------------------------------------------------------------------
+def _group_name(group: Any) -> str:
+    from torch.distributed._functional_collectives import _resolve_group_name
+
+    return _resolve_group_name(group if group is not None else dist.group.WORLD)
+
+
+def insert_grad_allreduce(gm: fx.GraphModule, group: Any = None, *,
+                          average: bool = True) -> fx.GraphModule:
+    """Average (or sum) every GRAD over ``group`` inside the graph, before the DLS passes.
+
+    Run it on the graph `dlspass.capture.functional.trace_step` returns, before ``apply_dls``.
+    The gradients of one dtype are flattened into one bucket and reduced with one functional
+    ``all_reduce`` (``torch.distributed._functional_collectives``) plus its ``wait_tensor``, then
+    divided by the world size and split back. The rank-local gradients are re-tagged
+    ``local_grad`` and the reduced ones carry the GRAD role and parameter name, so the DLS passes
+    unscale and check the reduced gradients. Returns ``gm``, changed in place.
+    """
+    from torch.distributed import _functional_collectives as funcol
+
+    from .splice import splice
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("insert_grad_allreduce: torch.distributed is not initialised")
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    graph = gm.graph
+    found = roles.nodes_with_role(graph, roles.GRAD)
+    if not found:
+        raise ValueError("insert_grad_allreduce: the graph has no grad node (roles.GRAD)")
+    if any(roles.pass_of(n) == PASS_NAME for n in found):
+        raise ValueError("insert_grad_allreduce: the gradients are already all-reduced")
+    by_dtype: dict[torch.dtype, list[fx.Node]] = {}
+    for n in found:
+        by_dtype.setdefault(n.meta["val"].dtype, []).append(n)
+    for nodes in by_dtype.values():
+        shapes = [n.meta["val"].shape for n in nodes]
+
+        def reduce_bucket(*gs: Tensor, shapes: list = shapes) -> list[Tensor]:
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            red = funcol.all_reduce(flat, "sum", group)
+            if average:
+                red = red / world
+            parts = torch.split(red, [s.numel() for s in shapes])
+            return [p.view(s) for p, s in zip(parts, shapes, strict=True)]
+
+        existing = set(graph.nodes)
+        outs = splice(graph, reduce_bucket, nodes, role=GRAD_ALLREDUCE, by_pass=PASS_NAME,
+                      output_roles=[(roles.GRAD, roles.target_of(n)) for n in nodes])
+        new = set(graph.nodes) - existing
+        for old, red in zip(nodes, outs, strict=True):
+            old.replace_all_uses_with(red, delete_user_cb=lambda u, new=new: u not in new)
+            roles.set_role(old, LOCAL_GRAD, roles.target_of(old))
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def insert_flag_allreduce(gm: fx.GraphModule, group: Any = None) -> fx.GraphModule:
+    """Make the overflow flag of a DLS-rewritten step agree over ``group`` (run after apply_dls).
+
+    ``isfinite = all_reduce(not isfinite, SUM) == 0``: one 4-byte functional all-reduce. The
+    local flag keeps the ISFINITE role with target ``"local"``; the agreed one becomes the step's
+    global flag and feeds every guard and the scale update. A graph without a flag (static
+    scale, no scaling) is returned unchanged.
+    """
+    from torch.distributed import _functional_collectives as funcol
+
+    from .passes._common import GLOBAL, global_node
+    from .splice import splice
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("insert_flag_allreduce: torch.distributed is not initialised")
+    group = group if group is not None else dist.group.WORLD
+    graph = gm.graph
+    flag = global_node(graph, roles.ISFINITE)
+    if flag is None:
+        return gm
+    if roles.pass_of(flag) == PASS_NAME:
+        raise ValueError("insert_flag_allreduce: the flag is already all-reduced")
+
+    def agree(ok: Tensor) -> Tensor:
+        bad = funcol.all_reduce((~ok).to(torch.float32), "sum", group)
+        return bad == 0
+
+    existing = set(graph.nodes)
+    (agreed,) = splice(graph, agree, [flag], role=FLAG_ALLREDUCE, by_pass=PASS_NAME,
+                       output_roles=[(roles.ISFINITE, GLOBAL)])
+    new = set(graph.nodes) - existing
+    flag.replace_all_uses_with(agreed, delete_user_cb=lambda u: u not in new)
+    roles.set_role(flag, roles.ISFINITE, LOCAL)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def capture_step_distributed(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], Tensor],
+    optimizer: torch.optim.Optimizer,
+    example_batch: Any,
+    config: DLSConfig | None = None,
+    *,
+    process_group: Any = None,
+    agree_flag: bool = True,
+    broadcast_params: bool = True,
+    compile: bool = False,
+    precision_mode: str = "emulate",
+) -> Any:
+    """`dlspass.capture_step` for data parallelism: one graph = step + gradient all-reduce.
+
+    Every rank captures the same step on its own batch shard; the graph averages the gradients
+    over ``process_group`` (default: the world) before DLS unscales and checks them, so ranks
+    stay identical, as under DDP. As DDP does at construction, ``broadcast_params`` first copies
+    the parameters and buffers of the group's first rank to all ranks. With ``agree_flag`` the
+    overflow flag is all-reduced too. Returns a ``CapturedStep``.
+    """
+    from .capture.functional import CapturedStep, _inductor, _make_scaler, trace_step
+    from .passes import apply_dls
+    from .verify import verify
+
+    if resolve_group(process_group) is None and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("capture_step_distributed: torch.distributed is not initialised")
+    if broadcast_params:
+        group = process_group if process_group is not None else dist.group.WORLD
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=src, group=group)
+    gm, layout, fopt = trace_step(model, loss_fn, optimizer, example_batch, config)
+    insert_grad_allreduce(gm, process_group)
+    gm = apply_dls(gm, config, precision_mode=precision_mode)
+    if agree_flag and config is not None and config.dynamic:
+        insert_flag_allreduce(gm, process_group)
+        verify(gm)
+    step = CapturedStep(model, optimizer, gm, layout, fopt, _make_scaler(config), config)
+    if compile:
+        step._runner = _inductor(gm, step._inputs_for(step._batch_leaves(example_batch)))
+    return step
+
+
+def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The functional-collective nodes of a graph (``_c10d_functional`` ops other than waits)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            if n.target.namespace == "_c10d_functional" and "wait" not in n.target.__name__:
+                out.append(n)
+    return out
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+DCP_KEY = "grad_scaler"
+
+
+def dcp_state_dict(scaler: Any) -> dict[str, Any]:
+    """The scaler state as DCP wants it: ``{"grad_scaler": {field: 0-d tensor, ...}}``.
+
+    The configuration goes in as a JSON string (DCP stores non-tensor values as bytes); tensors
+    are plain (replicated), so DCP writes one copy however many ranks save.
+    """
+    sd = scaler.state_dict()
+    out: dict[str, Any] = {k: v for k, v in sd.items() if isinstance(v, Tensor)}
+    out["format_version"] = sd["format_version"]
+    out["config_json"] = json.dumps(sd.get("config", {}), sort_keys=True)
+    return {DCP_KEY: out}
+
+
+def load_dcp_state_dict(scaler: Any, state: dict[str, Any]) -> None:
+    """Load what `dcp_state_dict` produced (after ``dcp.load`` filled it in) into ``scaler``."""
+    if DCP_KEY not in state:
+        raise KeyError(f"load_dcp_state_dict: no {DCP_KEY!r} entry in the state dict")
+    sd = dict(state[DCP_KEY])
+    raw = sd.pop("config_json", None)
+    if raw is not None:
+        sd["config"] = json.loads(raw)
+    scaler.load_state_dict(sd)
+
+
+def save_scaler(scaler: Any, checkpoint_id: str, process_group: Any = None) -> None:
+    """Save the scaler state with ``torch.distributed.checkpoint`` (collective over the group)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(dcp_state_dict(scaler), checkpoint_id=checkpoint_id, process_group=process_group)
+
+
+def load_scaler(scaler: Any, checkpoint_id: str, process_group: Any = None) -> None:
+    """Restore the scaler state saved by `save_scaler` on every rank (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = dcp_state_dict(scaler)
+    dcp.load(state, checkpoint_id=checkpoint_id, process_group=process_group)
+    load_dcp_state_dict(scaler, state)
