@@ -1,0 +1,232 @@
+"""The ``dlspass`` torch.compile backend: 16-bit lowering of forward and backward graphs.
+
+``torch.compile(model, backend="dlspass", options={"fp16_type": "cbfloat16"})`` (registered
+through the ``torch_dynamo_backends`` entry point) runs AOTAutograd without decompositions and,
+in the forward and the backward graph, rounds the inputs and outputs of every matmul-like op
+to the 16-bit format with ``dlspass::round_to_format`` (``dlspass.passes.LowerPrecisionPass``,
+the same pass ``apply_dls`` runs); the rounding is
+then decomposed into fusable int32 bit ops and the graph goes to inductor. Loss scaling stays
+in the eager ``dlspass.GradScaler``.
+
+``make_backend(scaler=...)`` returns a backend that also scales the backward seed
+(``tangents_1``) by the scaler's loss scale and unscales and checks the gradients inside the
+backward graph. The scale enters and the overflow flag leaves through an extra placeholder and
+output that a boxed wrapper threads (no host sync): the flag lands in
+``scaler.backend_found_finite`` (a 0-d bool tensor) for the scaler's ``step``/``update``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from . import roles
+from .config import FP16_TYPES, ConfigError, DLSConfig
+
+# the most recent graphs the backends rewrote (for inspection and tests), newest last
+recent_graphs: list[fx.GraphModule] = []
+_KEEP = 8
+
+OPTIONS = ("fp16_type", "mixed_precision", "backend_compiler")
+aten = torch.ops.aten
+
+
+def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """The backend options with defaults filled in; unknown keys and bad values raise ConfigError."""
+    opts = dict(options or {})
+    unknown = sorted(set(opts) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"dlspass backend: unknown option(s) {', '.join(map(repr, unknown))}; "
+                          f"known: {', '.join(OPTIONS)}")
+    opts.setdefault("fp16_type", "float16")
+    opts.setdefault("mixed_precision", True)
+    opts.setdefault("backend_compiler", "inductor")
+    if opts["fp16_type"] not in FP16_TYPES:
+        raise ConfigError(f"dlspass backend: fp16_type: unknown format {opts['fp16_type']!r}; "
+                          f"choose one of {', '.join(FP16_TYPES)}")
+    if opts["backend_compiler"] not in ("inductor", "eager"):
+        raise ConfigError("dlspass backend: backend_compiler: expected 'inductor' or 'eager', "
+                          f"got {opts['backend_compiler']!r}")
+    if not isinstance(opts["mixed_precision"], bool):
+        raise ConfigError("dlspass backend: mixed_precision: expected a bool, "
+                          f"got {opts['mixed_precision']!r}")
+    return opts
+
+
+# ---- precision lowering ----------------------------------------------------------------------
+
+def _is_f32(node: Any) -> bool:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return isinstance(val, Tensor) and val.dtype == torch.float32
+
+
+def lower_precision(gm: fx.GraphModule, fp16_type: str) -> fx.GraphModule:
+    """Round inputs and outputs of matmul-like ops in ``gm`` to ``fp16_type`` (LowerPrecisionPass).
+
+    The values are emulated in float32 containers (dlspass.formats), so the graph keeps its
+    dtypes and accumulation stays float32.
+    """
+    from dlspass.passes import LowerPrecisionPass
+
+    return LowerPrecisionPass(fp16_type, "emulate")(gm).graph_module
+
+
+def finish(gm: fx.GraphModule, example_inputs: list[Any], backend_compiler: str) -> Callable:
+    """A boxed callable for ``gm``: inductor after bit-level rounding, or the graph as is."""
+    from functorch.compile import make_boxed_func
+
+    if backend_compiler == "eager":
+        return make_boxed_func(gm.forward)
+    from torch._inductor.compile_fx import compile_fx
+
+    from .formats import decompose_rounding
+
+    decompose_rounding(gm)
+    compiled = compile_fx(gm, example_inputs)
+
+    # compile_fx hands back AOTAutograd's forward, which takes unpacked arguments
+    def run(args: list[Any]) -> Any:
+        return compiled(*args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+# ---- backends ----------------------------------------------------------------------------------
+
+def _remember(gm: fx.GraphModule) -> None:
+    recent_graphs.append(gm)
+    del recent_graphs[:-_KEEP]
+
+
+def _graph_compiler(opts: dict[str, Any]) -> Callable:
+    def compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        if opts["mixed_precision"]:
+            gm = lower_precision(gm, opts["fp16_type"])
+        _remember(gm)
+        return finish(gm, example_inputs, opts["backend_compiler"])
+
+    return compiler
+
+
+def dls_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,
+                mode: str | None = None) -> Callable:
+    """The ``backend="dlspass"`` entry point: lowered forward and backward graphs via AOTAutograd.
+
+    ``options``: ``fp16_type`` (float16 | bfloat16 | cbfloat16, default float16),
+    ``mixed_precision`` (False: no lowering), ``backend_compiler`` (inductor | eager).
+    """
+    if mode not in (None, "default"):
+        raise ConfigError(f"dlspass backend: mode={mode!r} is not supported; use options=")
+    from torch._dynamo.backends.common import aot_autograd
+
+    compiler = _graph_compiler(validate_options(options))
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)(gm, example_inputs)
+
+
+def _scale_and_check_backward(gm: fx.GraphModule, config: DLSConfig) -> None:
+    """Add a ``dls_loss_scale`` input, scale ``tangents_1`` by it, unscale and check the gradients.
+
+    The gradients leave the graph unscaled, and one extra output, the finite flag, is appended.
+    """
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    tangents = [n for n in placeholders if n.name.startswith("tangents")]
+    if len(tangents) != 1:
+        raise ConfigError(f"dlspass backend: expected one backward seed (tangents_1), found {len(tangents)}; "
+                          "the compiled model must return the scalar loss alone")
+    seed = tangents[0]
+    with graph.inserting_after(placeholders[-1]):
+        scale = graph.placeholder("dls_loss_scale")
+    scale.meta["val"] = torch.empty((), dtype=torch.float32)
+    roles.set_role(scale, roles.SCALER_STATE, "loss_scale")
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        scaled = graph.call_function(aten.mul.Tensor, (seed, scale))
+    scaled.meta["val"] = seed.meta.get("val")
+    seed.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+    roles.set_role(scaled, roles.SCALED_SEED, by_pass="make_backend")
+
+    out = graph.output_node()
+    vals = list(out.args[0])
+    idx = [i for i, v in enumerate(vals) if isinstance(v, fx.Node) and _is_f32(v)]
+    with graph.inserting_before(out):
+        inv = graph.call_function(aten.reciprocal.default, (scale,))
+        unscaled = [graph.call_function(aten.mul.Tensor, (vals[i], inv)) for i in idx]
+        for u in unscaled:
+            roles.set_role(u, roles.UNSCALE, by_pass="make_backend")
+        # the same test the scaler applies (global norm for cerebras, all-finite otherwise)
+        if config.overflow_check == "global_norm":
+            sq = [graph.call_function(aten.sum.default, (graph.call_function(aten.mul.Tensor, (u, u)),))
+                  for u in unscaled]
+            total = sq[0]
+            for s in sq[1:]:
+                total = graph.call_function(aten.add.Tensor, (total, s))
+            norm = graph.call_function(aten.sqrt.default, (total,))
+            ok = graph.call_function(aten.lt.Scalar, (norm, float("inf")))
+        else:
+            flags = [graph.call_function(aten.all.default, (graph.call_function(aten.isfinite.default, (u,)),))
+                     for u in unscaled]
+            ok = flags[0]
+            for f in flags[1:]:
+                ok = graph.call_function(aten.logical_and.default, (ok, f))
+    roles.set_role(ok, roles.ISFINITE, by_pass="make_backend")
+    for i, u in zip(idx, unscaled, strict=False):
+        vals[i] = u
+    out.args = (tuple(vals) + (ok,),)
+    graph.lint()
+    gm.recompile()
+
+
+def make_backend(scaler: Any | None = None, **options: Any) -> Callable:
+    """A torch.compile backend: 16-bit lowering, plus in-graph seed scaling and overflow check.
+
+    With ``scaler`` (a ``dlspass.GradScaler``), the backward graph multiplies the seed by
+    ``scaler.state.loss_scale``, returns unscaled gradients and stores the finite flag in
+    ``scaler.backend_found_finite``; the gradients autograd accumulates are already unscaled,
+    so do not call ``scaler.scale(loss)`` and do not unscale again (``dlspass.GradScaler`` does
+    not read ``backend_found_finite`` yet: gate the optimizer step on it). Options as for
+    ``dls_backend``.
+
+    Example:
+        >>> backend = dlspass.make_backend(scaler=scaler, fp16_type="float16")
+        >>> cmodel = torch.compile(model, backend=backend)
+    """
+    opts = validate_options(options)
+    if scaler is None:
+        return functools.partial(dls_backend, options=opts)
+    config = getattr(scaler, "config", None)
+    if not isinstance(config, DLSConfig) or not hasattr(scaler, "state"):
+        raise ConfigError(f"make_backend: scaler must be a dlspass.GradScaler, got {type(scaler).__name__}")
+    fw = _graph_compiler(opts)
+
+    def bw(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        _scale_and_check_backward(gm, config)
+        inner = fw(gm, [*example_inputs, _fake_like(example_inputs, scaler.state.loss_scale)])
+
+        def run(args: list[Any]) -> Any:
+            res = inner([*args, scaler.state.loss_scale])
+            scaler.backend_found_finite = res[-1]
+            return res[:-1]
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=fw, bw_compiler=bw)(gm, example_inputs)
+
+    return backend
+
+
+def _fake_like(example_inputs: list[Any], t: Tensor) -> Any:
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(example_inputs)
+    return mode.from_tensor(t) if mode is not None else t

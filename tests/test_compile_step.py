@@ -1,0 +1,288 @@
+"""dlspass.compile: one graph for the whole step, eager-GradScaler parity, fusion, clear errors."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import dlspass
+from dlspass import roles
+from dlspass.compile_step import CompileError
+from dlspass.config import ConfigError
+from dlspass.models import MLP, TinyGPT, copy_task_batch, gpt_loss
+
+OVERFLOW_STEPS = (4, 9, 10)
+
+
+def _batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+        if i in OVERFLOW_STEPS:
+            x[0, 0] = float("inf")
+        out.append((x, y))
+    return out
+
+
+def _scaler(**kw) -> dlspass.GradScaler:
+    return dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10, steps_per_increase=3, **kw)
+
+
+def _compiled_mlp(opt_cls, opt_kw, scaler, **compile_kw):
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    opt = opt_cls(model.parameters(), **opt_kw)
+
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    compile_kw.setdefault("backend_compiler", "eager")
+    step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, **compile_kw)
+    return model, reference, opt, step
+
+
+def _eager_step(model, opt, scaler, x, y) -> torch.Tensor:
+    loss = F.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    return loss.detach()
+
+
+OPTIMIZERS = [
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    (torch.optim.Adam, {"lr": 1e-2}),
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+]
+
+
+@pytest.mark.parametrize("opt_cls,opt_kw", OPTIMIZERS, ids=lambda v: getattr(v, "__name__", ""))
+def test_one_graph_and_eager_parity_with_overflows(opt_cls, opt_kw):
+    torch._dynamo.reset()
+    counters.clear()
+    scaler = _scaler()
+    model, reference, opt, step = _compiled_mlp(opt_cls, opt_kw, scaler, mixed_precision=False)
+    ref_opt = opt_cls(reference.parameters(), **opt_kw)
+    ref_scaler = _scaler()
+    scales, ref_scales = [], []
+    for x, y in _batches(20):
+        loss = step(x, y)
+        ref_loss = _eager_step(reference, ref_opt, ref_scaler, x, y)
+        scales.append(float(scaler.state.loss_scale))
+        ref_scales.append(float(ref_scaler.state.loss_scale))
+        if torch.isfinite(ref_loss):
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert scales == ref_scales
+    assert 2048.0 in scales and 512.0 in scales  # both growth and backoff happened
+    assert int(scaler.state.num_skipped_steps) == len(OVERFLOW_STEPS)
+    assert int(ref_scaler.state.num_skipped_steps) == len(OVERFLOW_STEPS)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for p, q in zip(opt.param_groups[0]["params"], ref_opt.param_groups[0]["params"], strict=True):
+        for k, v in ref_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def adam_step():
+    torch._dynamo.reset()
+    scaler = _scaler()
+    model, _, opt, step = _compiled_mlp(torch.optim.Adam, {"lr": 1e-2}, scaler, mixed_precision=False)
+    return model, opt, scaler, step
+
+
+def test_seed_is_scaled_in_the_graph(adam_step):
+    model, opt, scaler, step = adam_step
+    x, y = _batches(1)[0]
+    step(x, y)
+    gm = step.graphs[-1]
+    (scaled,) = roles.nodes_with_role(gm.graph, roles.SCALED_SEED)
+    seed, scale = scaled.args
+    assert seed.target is torch.ops.aten.ones_like.default and roles.role_of(seed) == roles.SEED
+    assert scale.op == "placeholder"
+    grads = roles.nodes_with_role(gm.graph, roles.GRAD)
+    assert len(grads) == len(list(model.parameters()))
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.dlspass.mark.default]
+    # apply_dls ran on the AOT graph: every parameter update is guarded, the state is updated
+    from dlspass.passes import applied_passes
+
+    assert {"scale_seed", "unscale_grads", "guard_updates", "update_scale"} <= set(applied_passes(gm.graph))
+    updates = [t for r, t in roles.output_roles(gm.graph) if r == roles.PARAM_UPDATE]
+    assert sorted(updates) == sorted(roles.target_of(g) for g in grads)
+
+
+def test_overflow_leaves_params_and_adam_state_bit_identical(adam_step):
+    model, opt, scaler, step = adam_step
+    x, y = _batches(1)[0]
+    step(x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = {k: v.clone() for p in model.parameters() for k, v in opt.state[p].items()
+                    for k in [f"{id(p)}.{k}"]}
+    skipped, scale = int(scaler.state.num_skipped_steps), float(scaler.state.loss_scale)
+    x = x.clone()
+    x[1, 2] = float("nan")
+    step(x, y)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+    for p in model.parameters():
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, state_before[f"{id(p)}.{k}"]), k
+    assert int(scaler.state.num_skipped_steps) == skipped + 1
+    assert float(scaler.state.loss_scale) == scale / 2
+
+
+def test_lr_change_is_a_graph_input(adam_step):
+    model, opt, scaler, step = adam_step
+    x, y = _batches(1, seed=7)[0]
+    step(x, y)
+    frames = counters["stats"]["unique_graphs"]
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["lr"] = 0.0
+    step(x, y)
+    opt.param_groups[0]["lr"] = 1e-2
+    assert counters["stats"]["unique_graphs"] == frames  # no recompile
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b)  # lr 0 really reached the update
+
+
+def test_max_gradient_norm_matches_eager_scaler():
+    torch._dynamo.reset()
+    scaler = _scaler(max_gradient_norm=0.05)
+    model, reference, opt, step = _compiled_mlp(torch.optim.SGD, {"lr": 0.1}, scaler,
+                                                mixed_precision=False)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_scaler = _scaler(max_gradient_norm=0.05)
+    for x, y in _batches(6):
+        step(x, y)
+        _eager_step(reference, ref_opt, ref_scaler, x, y)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_static_scale_and_no_scaler_match_eager():
+    torch._dynamo.reset()
+    batches = _batches(4, seed=3)[:3] + _batches(1, seed=5)  # finite batches only
+    for scaler, ref_scaler in ((dlspass.GradScaler(loss_scale=128.0), dlspass.GradScaler(loss_scale=128.0)),
+                               (None, dlspass.GradScaler(loss_scale=None))):
+        torch._dynamo.reset()
+        model, reference, opt, step = _compiled_mlp(torch.optim.SGD, {"lr": 0.1}, scaler,
+                                                    mixed_precision=False)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for x, y in batches:
+            step(x, y)
+            _eager_step(reference, ref_opt, ref_scaler, x, y)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        seeds = roles.nodes_with_role(step.graphs[-1].graph, roles.SCALED_SEED)
+        assert len(seeds) == (1 if scaler is not None else 0)
+
+
+@pytest.mark.parametrize("fp16_type", ["float16", "cbfloat16"])
+def test_emulated_16bit_trains_tinygpt(fp16_type):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=16, d=16, n_layer=1, n_head=2, block_size=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = dlspass.GradScaler(loss_scale="dynamic", fp16_type=fp16_type)
+
+    def train_step(idx, targets):
+        loss = gpt_loss(model, (idx, targets))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, backend_compiler="eager")
+    batch = copy_task_batch(16, 8, 8, torch.Generator().manual_seed(0))
+    losses = [float(step(*batch)) for _ in range(30)]  # one batch: the model must fit it
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert int(scaler.state.num_skipped_steps) < 5
+    gm = step.graphs[-1]
+    rounds = [n for n in gm.graph.nodes if n.target is torch.ops.dlspass.round_to_format.default]
+    assert rounds and all(n.args[1] == fp16_type for n in rounds)
+
+
+def _kernels(codes: list[str]) -> int:
+    return len(set(re.findall(r"(cpp_fused_\w+|triton_\w+) = async_compile", "\n".join(codes))))
+
+
+def test_inductor_fuses_the_dls_tail():
+    from torch._inductor.utils import run_and_get_code
+
+    x, y = _batches(1)[0]
+    counts, params = {}, {}
+    for name, scaler in (("plain", None), ("dls", _scaler())):
+        torch._dynamo.reset()
+        model, _, _, step = _compiled_mlp(torch.optim.Adam, {"lr": 1e-2}, scaler,
+                                          mixed_precision=False, backend_compiler="inductor")
+        _, codes = run_and_get_code(step, x, y)
+        counts[name] = _kernels(codes)
+        params[name] = [p.detach().clone() for p in model.parameters()]
+    assert counts["plain"] > 0
+    assert counts["dls"] - counts["plain"] <= 4, counts
+    # with a finite batch the DLS step must land where the plain step lands
+    for a, b in zip(params["dls"], params["plain"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_optimizer_is_a_clear_error():
+    model = MLP()
+    opt = torch.optim.RMSprop(model.parameters())
+    with pytest.raises(CompileError, match=r"RMSprop.*supported: torch.optim.SGD, torch.optim.Adam"):
+        dlspass.compile(lambda x: x, optimizer=opt, scaler=_scaler())
+
+
+def test_data_dependent_control_flow_is_a_clear_error():
+    torch._dynamo.reset()
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        if loss > 1.0:  # depends on a tensor value: no single graph can hold this
+            loss = loss * 0.5
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = dlspass.compile(train_step, optimizer=opt, scaler=_scaler(), backend_compiler="eager")
+    with pytest.raises(CompileError, match="not one graph"):
+        step(*_batches(1)[0])
+    assert "step" not in opt.__dict__  # the interception is undone after a failure
+
+
+def test_config_conflicts_and_bad_options():
+    opt = torch.optim.SGD(MLP().parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="max_gradient_norm=2.0 conflicts"):
+        dlspass.compile(lambda: None, optimizer=opt, scaler=_scaler(max_gradient_norm=1.0),
+                        max_gradient_norm=2.0)
+    with pytest.raises(ConfigError, match="fp16_type='cbfloat16' conflicts"):
+        dlspass.compile(lambda: None, optimizer=opt, scaler=dlspass.GradScaler(), fp16_type="cbfloat16")
+    with pytest.raises(ConfigError, match="backend_compiler"):
+        dlspass.compile(lambda: None, optimizer=opt, backend_compiler="tvm")
+    with pytest.raises(CompileError, match="torch.optim optimizer"):
+        dlspass.compile(lambda: None, optimizer=object())
+    # no conflict: the same format, and a norm the scaler leaves open
+    def train_step(x, y, *, scale=1.0):
+        return None
+
+    step = dlspass.compile(train_step, optimizer=opt, scaler=dlspass.GradScaler(),
+                           fp16_type="float16", max_gradient_norm=1.0)
+    assert step.config.max_gradient_norm == 1.0 and step.config.fp16_type == "float16"
+    assert inspect.signature(step) == inspect.signature(train_step)

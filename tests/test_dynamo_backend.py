@@ -1,0 +1,105 @@
+"""backend="dlspass": registration, 16-bit lowering of forward and backward, options, make_backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dlspass
+from dlspass import dynamo_backend, formats, roles
+from dlspass.config import ConfigError
+
+assert formats.round_to_format  # registers the dlspass::round_to_format op
+ROUND = torch.ops.dlspass.round_to_format.default
+
+
+def _r16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).to(torch.float32)
+
+
+def _linear():
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 4), torch.randn(3, 8) * 3
+
+
+def test_backend_is_registered_by_name():
+    assert "dlspass" in torch._dynamo.list_backends()
+
+
+def test_forward_and_backward_lowered_to_float16():
+    torch._dynamo.reset()
+    model, x = _linear()
+    cmodel = torch.compile(model, backend="dlspass",
+                           options={"fp16_type": "float16", "backend_compiler": "eager"})
+    out = cmodel(x)
+    w, b = model.weight, model.bias
+    # float16 inputs, float32 accumulation, float16 output: computed independently here
+    expected = _r16(F.linear(_r16(x), _r16(w), _r16(b)))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    assert not torch.equal(out, F.linear(x, w, b))  # the lowering changed something
+
+    grad_out = torch.randn_like(out) * 7
+    out.backward(grad_out)
+    fw, bw = dynamo_backend.recent_graphs[-2:]
+    for gm in (fw, bw):
+        rounds = [n for n in gm.graph.nodes if n.target is ROUND]
+        assert rounds and all(n.args[1] == "float16" for n in rounds)
+        assert all(roles.role_of(n) == roles.CAST for n in rounds)
+    expected_gw = _r16(_r16(grad_out).t() @ _r16(x))
+    torch.testing.assert_close(w.grad, expected_gw, rtol=0, atol=1e-5)
+
+
+def test_cbfloat16_with_inductor_matches_eager_backend():
+    from dlspass.formats import round_to_format
+
+    model, x = _linear()
+    outs = {}
+    for bc in ("eager", "inductor"):
+        torch._dynamo.reset()
+        outs[bc] = torch.compile(model, backend="dlspass",
+                                 options={"fp16_type": "cbfloat16", "backend_compiler": bc})(x)
+    torch.testing.assert_close(outs["inductor"], outs["eager"], rtol=0, atol=1e-6)
+    r = lambda t: round_to_format(t, "cbfloat16")  # noqa: E731
+    expected = r(F.linear(r(x), r(model.weight), r(model.bias)))
+    torch.testing.assert_close(outs["eager"].detach(), expected.detach(), rtol=0, atol=1e-6)
+
+
+def test_options_are_validated():
+    with pytest.raises(ConfigError, match="unknown option.*'loss_scale'"):
+        dynamo_backend.validate_options({"loss_scale": 2.0})
+    with pytest.raises(ConfigError, match="fp16_type: unknown format 'float8'"):
+        dynamo_backend.validate_options({"fp16_type": "float8"})
+    with pytest.raises(ConfigError, match="mixed_precision: expected a bool"):
+        dlspass.make_backend(mixed_precision="yes")
+    torch._dynamo.reset()
+    model, x = _linear()
+    with pytest.raises(Exception, match="unknown option"):
+        torch.compile(model, backend="dlspass", options={"fp16": "float16"})(x)
+
+
+def test_make_backend_scales_seed_and_checks_in_backward():
+    torch._dynamo.reset()
+    model, x = _linear()
+    reference = torch.nn.Linear(8, 4)
+    reference.load_state_dict(model.state_dict())
+    scaler = dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10)
+    backend = dlspass.make_backend(scaler=scaler, mixed_precision=False, backend_compiler="eager")
+    cmodel = torch.compile(model, backend=backend)
+
+    cmodel(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    # the backward ran scaled by 2**10 and came back unscaled: same gradients as plain fp32
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    assert bool(scaler.backend_found_finite)
+    bw = dynamo_backend.recent_graphs[-1]
+    (scaled,) = roles.nodes_with_role(bw.graph, roles.SCALED_SEED)
+    assert scaled.args[0].name.startswith("tangents")
+    assert roles.nodes_with_role(bw.graph, roles.ISFINITE)
+
+    model.zero_grad()
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    cmodel(bad).pow(2).mean().backward()
+    assert not bool(scaler.backend_found_finite)
