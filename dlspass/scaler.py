@@ -190,6 +190,8 @@ class GradScaler:
         self.config = config
         self.process_group = process_group
         self._cfg = config  # the active config: bfloat16 pass-through replaces it
+        # set by a dlspass.make_backend graph that unscaled and checked the gradients itself
+        self.backend_found_finite: Tensor | None = None
         self._lazy_device = device is None
         self.state: ScalerState = init_state(config, device)
         self._per_opt: dict[int, dict[str, Any]] = {}
@@ -284,6 +286,18 @@ class GradScaler:
         grads = [p.grad for p in _params_with_grad(optimizer)]
         if not grads:
             rec["isfinite"] = torch.ones((), dtype=torch.bool, device=device)
+            return
+        backend_flag = getattr(self, "backend_found_finite", None)
+        if backend_flag is not None:
+            # A dlspass.make_backend graph already unscaled and checked these gradients in its
+            # backward; only clipping is left to do here.
+            self.backend_found_finite = None
+            cfg = self._cfg
+            if cfg.max_gradient_norm is not None or cfg.max_gradient_value is not None:
+                unscaled = [g.to(torch.float32) for g in grads]
+                norm = scale_policy.global_norm(unscaled) if cfg.max_gradient_norm is not None else None
+                torch._foreach_copy_(grads, clip(unscaled, norm, cfg))
+            rec["isfinite"] = backend_flag.to(device)
             return
         scale = self.state.loss_scale.to(grads[0].device)
         cfg = self._cfg

@@ -103,3 +103,37 @@ def test_make_backend_scales_seed_and_checks_in_backward():
     bad[0, 0] = float("inf")
     cmodel(bad).pow(2).mean().backward()
     assert not bool(scaler.backend_found_finite)
+
+
+def test_make_backend_with_scaler_step_and_update_matches_eager_scaler():
+    """The backend's in-graph check drives GradScaler.step/update like the eager scaler's own."""
+    torch._dynamo.reset()
+    model, x = _linear()
+    reference = torch.nn.Linear(8, 4)
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    cfg = dict(loss_scale="dynamic", init_scale=2.0**10, steps_per_increase=2)
+    scaler, ref_scaler = dlspass.GradScaler(**cfg), dlspass.GradScaler(**cfg)
+    backend = dlspass.make_backend(scaler=scaler, mixed_precision=False, backend_compiler="eager")
+    cmodel = torch.compile(model, backend=backend)
+    for i in range(6):
+        xi = x.clone()
+        if i in (1, 4):
+            xi[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        cmodel(xi).pow(2).mean().backward()  # the backend scales the seed itself
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref_scaler.scale(reference(xi).pow(2).mean()).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        assert scaler.get_scale().item() == ref_scaler.get_scale().item(), i
+        if i in (1, 4):
+            for p, q in zip(before, model.parameters(), strict=True):
+                assert torch.equal(p, q)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert scaler.get_num_skipped_steps().item() == 2
