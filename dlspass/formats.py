@@ -433,6 +433,8 @@ def decompose_rounding(gm: fx.GraphModule) -> int:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     count = 0
+    # one trace per (format, switches, shape, stride): big graphs round thousands of values
+    traced: dict[tuple, fx.GraphModule] = {}
     for node in list(gm.graph.nodes):
         if not _is_round_node(node):
             continue
@@ -443,8 +445,13 @@ def decompose_rounding(gm: fx.GraphModule) -> int:
         if isinstance(val, torch.Tensor) and detect_fake_mode([val]) is not None:
             mode = detect_fake_mode([val])
             mode_kind = "symbolic" if mode.shape_env is not None else "fake"
-            with mode:
-                sub = make_fx(fn, tracing_mode=mode_kind)(val)
+            key = (fmt, saturate, ftz, tuple(val.shape), tuple(val.stride()), val.device)
+            sub = traced.get(key) if mode_kind == "fake" else None
+            if sub is None:
+                with mode:
+                    sub = make_fx(fn, tracing_mode=mode_kind)(val)
+                if mode_kind == "fake":
+                    traced[key] = sub
             keep_val = True
         else:
             sub = make_fx(fn)(torch.zeros(1, dtype=torch.float32))
