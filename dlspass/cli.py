@@ -35,6 +35,20 @@ _HELP = """Dynamic loss scaling for mixed-precision training, as compiler passes
 
   [cyan]dlspass demo --spike 30 --spike 31[/cyan]    watch DLS skip two overflowing steps
 
+  [cyan]dlspass export mypkg.models:make -o joint.pt2[/cyan]       export a loss model's joint graph
+
+  [cyan]dlspass transform joint.pt2 -o step.pt2[/cyan]             add SGD and dynamic loss scaling
+
+  [cyan]dlspass transform joint.pt2 -o step.onnx --to onnx[/cyan]  the same step for onnxruntime
+
+  [cyan]dlspass export mypkg.models:make -o joint.onnx[/cyan]      the joint graph as ONNX (seed input)
+
+  [cyan]dlspass transform joint.onnx -o dls.onnx[/cyan]            DLS inserted into the ONNX graph
+
+  [cyan]dlspass inspect step.pt2 --format html -o step.html[/cyan] a report with the graph drawn
+
+  [cyan]dlspass verify step.pt2[/cyan]                             prove the DLS invariants
+
 Exit codes: 0 success, 1 verification failure, 2 bad input or usage, 3 internal error.
 """
 
@@ -76,6 +90,217 @@ def demo(
         typer.echo(json.dumps(result))
     else:
         typer.echo(format_summary(result))
+
+
+def _parse_loss_scale(value: str | None) -> str | float | None:
+    if value is None:
+        return None
+    if value in ("dynamic", "none"):
+        return None if value == "none" else value
+    try:
+        return float(value)
+    except ValueError:
+        raise typer.BadParameter(f"expected 'dynamic', 'none' or a number, got {value!r}",
+                                 param_hint="--loss-scale") from None
+
+
+def _parse_betas(value: str) -> tuple[float, float]:
+    try:
+        b1, b2 = (float(v) for v in value.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"expected two numbers like 0.9,0.999, got {value!r}",
+                                 param_hint="--betas") from None
+    return b1, b2
+
+
+_FP16 = ["float16", "bfloat16", "cbfloat16"]
+
+
+def _quietly(fn: Any) -> Any:
+    """Run a command with torch's logging and warnings silenced: stderr stays one line."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if os.environ.get("DLSPASS_DEBUG"):
+            return fn(*args, **kwargs)
+        from .export_io import quiet_torch
+
+        with quiet_torch():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@app.command()
+@_quietly
+def export(
+    factory: Annotated[str, typer.Argument(
+        metavar="MODULE:FACTORY", help="FACTORY() returns (model, example_inputs); model(*inputs) is the loss.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The .pt2 or .onnx file to write.")],
+) -> None:
+    """Export a loss model as a joint forward-backward program (loss and parameter gradients).
+
+    To .onnx: outputs loss and grad.<param>, the backward seed is the input loss_seed (feed 1.0) and the parameters are inputs; `dlspass transform joint.onnx -o dls.onnx` then inserts DLS.
+
+    Example: dlspass export tests.cli_factories:mlp -o mlp.pt2
+    """  # noqa: E501 - typer keeps a docstring's line breaks in --help
+    from .export_io import check_output_path, export_factory, save_program
+
+    out = check_output_path(output, (".pt2", ".onnx"))
+    ep = export_factory(factory)
+    if out.suffix == ".onnx":
+        from .onnx_io import save_joint_onnx
+
+        save_joint_onnx(ep, out)
+    else:
+        save_program(ep, out, {"format": "dlspass-joint", "kind": "joint", "source": factory})
+    print(f"wrote {out}", file=sys.stderr)
+
+
+@app.command()
+@_quietly
+def transform(
+    input: Annotated[Path, typer.Argument(
+        metavar="IN", help="A joint training program (.pt2) or a dlspass step.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The .pt2 or .onnx file to write.")],
+    fp16_type: Annotated[str | None, typer.Option(
+        "--fp16-type", help="16-bit format: float16 (default), bfloat16 or cbfloat16.")] = None,
+    loss_scale: Annotated[str | None, typer.Option(
+        help="'dynamic' (default), 'none' or a static scale.")] = None,
+    mixed_precision: Annotated[bool | None, typer.Option(
+        "--mixed-precision/--no-mixed-precision",
+        help="Run matmuls in the 16-bit format (default) or keep fp32 (DLS only).")] = None,
+    precision_mode: Annotated[str, typer.Option(
+        help="emulate: round in an fp32 container; native: real float16/bfloat16 casts.")] = "emulate",
+    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 0.01,
+    momentum: Annotated[float, typer.Option(help="SGD momentum.")] = 0.0,
+    weight_decay: Annotated[float, typer.Option(help="Weight decay.")] = 0.0,
+    betas: Annotated[str, typer.Option(help="Adam betas, e.g. 0.9,0.999.")] = "0.9,0.999",
+    eps: Annotated[float, typer.Option(help="Adam epsilon.")] = 1e-8,
+    max_gradient_norm: Annotated[float | None, typer.Option(
+        help="Clip the unscaled gradients to this global norm.")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="A Model Zoo params.yaml supplying the DLS settings.")] = None,
+    to: Annotated[str | None, typer.Option(
+        "--to", help="Output format: pt2 or onnx (default: from the -o suffix).")] = None,
+) -> None:
+    """Build the whole training step with dynamic loss scaling from a joint program.
+
+    Appends the optimizer update, adds optimizer, lr and scaler state as buffers, rewrites the step with the dlspass passes and writes a .pt2 (load(...).module()(*inputs) under torch.no_grad() trains one step in place) or, with --to onnx, an ONNX model whose state is fed back by the caller.
+
+    Example: dlspass transform mlp.pt2 -o step.pt2 --optimizer adam --lr 1e-3
+    """  # noqa: E501 - typer keeps a docstring's line breaks in --help
+    import dataclasses
+
+    from .config import DLSConfig
+    from .export_io import (
+        OptimizerSpec,
+        check_input_file,
+        check_output_path,
+        load_program,
+        save_program,
+        transform_program,
+    )
+
+    if fp16_type is not None and fp16_type not in _FP16:
+        raise typer.BadParameter(f"expected one of {', '.join(_FP16)}, got {fp16_type!r}",
+                                 param_hint="--fp16-type")
+    if precision_mode not in ("emulate", "native"):
+        raise typer.BadParameter(f"expected emulate or native, got {precision_mode!r}",
+                                 param_hint="--precision-mode")
+    fmt = to or ("onnx" if output.suffix == ".onnx" else "pt2")
+    if fmt not in ("pt2", "onnx"):
+        raise typer.BadParameter(f"expected pt2 or onnx, got {to!r}", param_hint="--to")
+    scale = _parse_loss_scale(loss_scale)
+    opt = OptimizerSpec(kind=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                        betas=_parse_betas(betas), eps=eps)
+    src = check_input_file(input)
+    out = check_output_path(output, (f".{fmt}",))
+    if config is not None:
+        cfg = DLSConfig.from_yaml(str(config))
+        overrides: dict[str, Any] = {}
+        if fp16_type is not None:
+            overrides["fp16_type"] = fp16_type
+        if loss_scale is not None:
+            overrides["loss_scale"] = scale
+        if max_gradient_norm is not None:
+            overrides["max_gradient_norm"] = max_gradient_norm
+        if mixed_precision is not None:
+            overrides["mixed_precision"] = mixed_precision
+        cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
+    else:
+        cfg = DLSConfig(loss_scale="dynamic" if loss_scale is None else scale,
+                        fp16_type=fp16_type or "float16",
+                        mixed_precision=True if mixed_precision is None else mixed_precision,
+                        max_gradient_norm=max_gradient_norm)
+    if src.suffix == ".onnx":
+        from .onnx_io import transform_onnx
+
+        if fmt != "onnx":
+            raise typer.BadParameter("an .onnx input can only be written as .onnx", param_hint="--to")
+        transform_onnx(src, out, cfg)
+        print(f"wrote {out}", file=sys.stderr)
+        return
+    ep, meta = load_program(src)
+    step, step_meta = transform_program(ep, meta, cfg, opt, precision_mode=precision_mode,
+                                        source=str(src))
+    if fmt == "onnx":
+        from .onnx_io import save_step_onnx
+
+        save_step_onnx(step, step_meta, out)
+    else:
+        save_program(step, out, step_meta)
+    print(f"wrote {out}", file=sys.stderr)
+
+
+@app.command()
+@_quietly
+def inspect(
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="A .pt2 (joint program or dlspass step) or .onnx file.")],
+    diff: Annotated[Path | None, typer.Option("--diff", help="Compare with this file (e.g. the original).")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="text, json, svg or html.")] = "text",
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")] = None,
+) -> None:
+    """Summarise a graph: nodes each pass inserted, casts, scaled region, roles, DLS config.
+
+    Example: dlspass inspect step.pt2 --diff joint.pt2 --format html -o report.html
+    """
+    from .export_io import check_output_path, write_atomic
+    from .inspect_report import FORMATS, render, summarize_file
+
+    if fmt not in FORMATS:
+        raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}, got {fmt!r}", param_hint="--format")
+    out = check_output_path(output, tuple({".txt", ".json", ".svg", ".html", f".{fmt}"})) if output else None
+    report = summarize_file(file)
+    other = summarize_file(diff) if diff is not None else None
+    text = render(report, fmt, other)
+    if out is None:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    else:
+        write_atomic(out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+        print(f"wrote {out}", file=sys.stderr)
+
+
+@app.command()
+@_quietly
+def verify(
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="A dlspass step (.pt2).")],
+) -> None:
+    """Prove the DLS invariants of a transformed step; exit 1 naming the failing node.
+
+    Example: dlspass verify step.pt2
+    """
+    from .export_io import InputError, load_program, step_graph
+    from .verify import verify as run_verify
+
+    ep, meta = load_program(file)
+    if meta is None or meta.get("kind") != "step":
+        raise InputError(f"{file}: not a dlspass training step (run `dlspass transform` first)")
+    run_verify(step_graph(ep, meta))
+    n = sum(1 for node in ep.graph.nodes if node.op == "call_function")
+    print(f"OK {file}: DLS invariants hold ({n} ops, config {json.dumps(meta['config'], sort_keys=True)})")
 
 
 def _is_verification_error(exc: BaseException) -> bool:

@@ -1,0 +1,585 @@
+"""``.pt2`` files for the CLI: export a loss model, load safely, build and re-package a DLS step.
+
+``export_factory("pkg.mod:make")`` exports ``make()``'s ``(model, example_inputs)`` as a joint
+forward-backward program (``torch.export.experimental._export_forward_backward``).
+``transform_program(joint, config, optimizer)`` turns a joint program into a whole training step:
+
+1. a copy of the joint graph module gets a ``dlspass::mark`` on its backward seed
+   (``full_like(loss, 1)``);
+2. ``make_fx`` traces ``joint(params, buffers, inputs)`` followed by the functional optimizer
+   update, marking loss and gradients, which lays the graph out as ``dlspass.roles`` describes;
+3. ``dlspass.passes.apply_dls`` rewrites it;
+4. the graph is re-packaged as an ``ExportedProgram``: parameters are PARAMETERs, optimizer
+   state, scaler state and hyperparameters are BUFFERs, the model's inputs are USER_INPUTs;
+   outputs are PARAMETER/BUFFER mutations followed by the LOSS_OUTPUT, so
+   ``torch.export.load(f).module()(*inputs)`` under ``torch.no_grad()`` runs one step in place.
+
+What ``torch.export.save`` does not keep (the output node's metadata) travels in the archive's
+``dlspass.json`` extra file: config, precision mode, output roles and buffer names, so
+``inspect`` and ``verify`` work from the file alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from . import roles
+from .config import DLSConfig
+
+META_FILE = "dlspass.json"
+FORMAT_VERSION = 1
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+class InputError(ValueError):
+    """The input file, factory or option is unusable; the message is one line naming it."""
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer ``transform`` appends to the joint graph (torch.optim semantics)."""
+
+    kind: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.kind not in OPTIMIZERS:
+            raise InputError(f"--optimizer: unknown optimizer {self.kind!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if not self.lr > 0:
+            raise InputError(f"--lr: expected a positive learning rate, got {self.lr!r}")
+        if self.kind == "sgd" and self.momentum < 0:
+            raise InputError(f"--momentum: expected >= 0, got {self.momentum!r}")
+        if self.weight_decay < 0:
+            raise InputError(f"--weight-decay: expected >= 0, got {self.weight_decay!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise InputError(f"--betas: expected two numbers in [0, 1), got {self.betas!r}")
+
+    def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        """The torch optimizer this spec describes, over ``params``."""
+        if self.kind == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
+                                   weight_decay=self.weight_decay)
+        cls = torch.optim.Adam if self.kind == "adam" else torch.optim.AdamW
+        return cls(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                   weight_decay=self.weight_decay)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+
+# ---- quiet, safe file handling --------------------------------------------------------------
+
+@contextlib.contextmanager
+def quiet_torch() -> Iterator[None]:
+    """Silence torch's loggers and warnings (``torch.export.load`` logs a traceback before raising)."""
+    names = ["torch", "torch.export", "torch._export", "torch._export.serde.serialize",
+             "torch.export._trace", "torch._dynamo", "torch.onnx", "onnxscript"]
+    saved = {n: logging.getLogger(n).level for n in names}
+    ctx = warnings.catch_warnings()
+    try:
+        ctx.__enter__()
+        warnings.simplefilter("ignore")
+        for n in names:
+            logging.getLogger(n).setLevel(logging.CRITICAL + 1)
+        yield
+    finally:
+        ctx.__exit__(None, None, None)
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)
+
+
+def check_input_file(path: str | Path, suffixes: tuple[str, ...] = (".pt2", ".onnx")) -> Path:
+    """``path`` as a Path, or ``InputError`` when it is missing, empty or has another suffix."""
+    p = Path(path)
+    if p.suffix not in suffixes:
+        raise InputError(f"{p}: unsupported file type {p.suffix or '(none)'!r}; expected {' or '.join(suffixes)}")
+    if not p.exists():
+        raise InputError(f"{p}: no such file")
+    if not p.is_file():
+        raise InputError(f"{p}: not a regular file")
+    if p.stat().st_size == 0:
+        raise InputError(f"{p}: the file is empty")
+    return p
+
+
+def check_output_path(path: str | Path, suffixes: tuple[str, ...]) -> Path:
+    """``path`` as a Path, or ``InputError`` when its suffix is wrong or its folder unwritable."""
+    p = Path(path)
+    if p.suffix not in suffixes:
+        raise InputError(f"{p}: output must end in {' or '.join(suffixes)}, not {p.suffix or '(none)'!r}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{p}: output folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise InputError(f"{p}: output path is not writable")
+    if p.is_dir():
+        raise InputError(f"{p}: output path is a folder")
+    return p
+
+
+def write_atomic(path: Path, write: Any) -> None:
+    """Call ``write(tmp_path)`` then move the temp file onto ``path``: never a half file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix,
+                               dir=str(path.parent) if str(path.parent) else ".")
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual file mode
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[str, Any] | None]:
+    """Load a ``.pt2``; returns the program and its ``dlspass.json`` (None when absent)."""
+    p = check_input_file(path, (".pt2",))
+    if not zipfile.is_zipfile(p):
+        raise InputError(f"{p}: not a .pt2 archive (not a zip file; truncated or corrupt?)")
+    import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format for deserialisation
+
+    extra = {META_FILE: ""}
+    try:
+        with quiet_torch():
+            ep = torch.export.load(str(p), extra_files=extra)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if "warnings above" in first:  # torch's pointer to the log lines silenced here
+            first = "torch could not deserialize the program (not a torch.export archive?)"
+        raise InputError(f"{p}: cannot load the .pt2 archive ({first[:200]})") from None
+    raw = extra.get(META_FILE) or ""
+    meta = None
+    if raw:
+        try:
+            meta = json.loads(raw)
+        except json.JSONDecodeError:
+            raise InputError(f"{p}: its {META_FILE} is not valid JSON") from None
+    return ep, meta
+
+
+def save_program(ep: torch.export.ExportedProgram, path: Path, meta: dict[str, Any] | None) -> None:
+    """Save ``ep`` (and ``meta`` as ``dlspass.json``) atomically to ``path``."""
+    extra = {META_FILE: json.dumps(meta, sort_keys=True)} if meta is not None else None
+    write_atomic(path, lambda tmp: torch.export.save(ep, tmp, extra_files=extra))
+
+
+# ---- export -------------------------------------------------------------------------------
+
+def _resolve_factory(spec: str) -> Any:
+    if spec.count(":") != 1 or not all(spec.split(":")):
+        raise InputError(f"{spec!r}: expected MODULE:FACTORY, e.g. mypkg.models:make_model")
+    mod_name, attr = spec.split(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: modules beside the user resolve
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise InputError(f"{spec!r}: cannot import module {mod_name!r} ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise InputError(f"{spec!r}: module {mod_name!r} has no callable {attr!r}")
+    return fn
+
+
+def export_factory(spec: str) -> torch.export.ExportedProgram:
+    """Export ``FACTORY()``'s ``(model, example_inputs)`` as a joint forward-backward program."""
+    made = _resolve_factory(spec)()
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        raise InputError(f"{spec!r}: the factory must return (model, example_inputs), got {type(made).__name__}")
+    model, inputs = made
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    with quiet_torch():
+        ep = torch.export.export(model, inputs)
+    return joint_program(ep, source=spec)
+
+
+def joint_program(ep: torch.export.ExportedProgram, source: str) -> torch.export.ExportedProgram:
+    """``ep`` (a model returning a scalar loss) as a joint program with parameter gradients."""
+    from torch.export.experimental import _export_forward_backward
+
+    outs = [s for s in ep.graph_signature.output_specs
+            if s.kind == torch.export.graph_signature.OutputKind.USER_OUTPUT]
+    vals = [n.meta.get("val") for n in roles.output_values(ep.graph)]
+    user_vals = vals[len(vals) - len(outs):] if outs else []
+    if not (len(outs) >= 1 and isinstance(user_vals[0], Tensor) and user_vals[0].dim() == 0
+            and user_vals[0].is_floating_point()):
+        raise InputError(f"{source}: not a training model: its first output is not a scalar "
+                         "floating-point loss (inference-only models cannot be trained)")
+    if not ep.graph_signature.parameters:
+        raise InputError(f"{source}: the model has no parameters to train")
+    with quiet_torch():
+        return _export_forward_backward(ep, joint_loss_index=0)
+
+
+# ---- joint program -> training step graph ------------------------------------------------
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+@dataclass
+class _Joint:
+    gm: fx.GraphModule
+    params: list[str]          # PARAMETER targets, joint placeholder order
+    buffers: list[str]         # BUFFER targets
+    inputs: list[str]          # USER_INPUT placeholder names
+    kinds: list[str]           # per joint placeholder: "param" | "buffer" | "input"
+    out_kinds: list[tuple[str, str | None]]  # per joint output: (kind, target)
+
+
+def _joint(ep: torch.export.ExportedProgram, source: str) -> _Joint:
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    bw = getattr(sig, "backward_signature", None)
+    if bw is None or not bw.gradients_to_parameters:
+        raise InputError(f"{source}: not a training graph: no loss output and no parameter "
+                         "gradients (export it with `dlspass export MODULE:FACTORY`)")
+    gm = copy.deepcopy(ep.graph_module)
+    kinds, params, buffers, inputs = [], [], [], []
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            kinds.append("param")
+            params.append(spec.target)
+        elif spec.kind == InputKind.BUFFER:
+            kinds.append("buffer")
+            buffers.append(spec.target)
+        elif spec.kind == InputKind.USER_INPUT:
+            kinds.append("input")
+            inputs.append(spec.arg.name)
+        else:
+            raise InputError(f"{source}: unsupported graph input kind {spec.kind.name} "
+                             f"({spec.arg.name}); only parameters, buffers and user inputs are supported")
+    out_kinds: list[tuple[str, str | None]] = []
+    for spec in sig.output_specs:
+        kind = {OutputKind.LOSS_OUTPUT: "loss", OutputKind.GRADIENT_TO_PARAMETER: "grad",
+                OutputKind.BUFFER_MUTATION: "buffer", OutputKind.USER_OUTPUT: "other",
+                OutputKind.GRADIENT_TO_USER_INPUT: "other"}.get(spec.kind)
+        if kind is None:
+            raise InputError(f"{source}: unsupported graph output kind {spec.kind.name}")
+        out_kinds.append((kind, spec.target))
+    # the seed: full_like(loss, 1) in the joint graph
+    loss_name = bw.loss_output
+    seeds = [n for n in gm.graph.nodes if n.op == "call_function"
+             and n.target in (torch.ops.aten.full_like.default, torch.ops.aten.ones_like.default)
+             and n.args and getattr(n.args[0], "name", None) == loss_name]
+    if len(seeds) != 1:
+        raise InputError(f"{source}: cannot find the backward seed full_like({loss_name}, 1) "
+                         f"(found {len(seeds)})")
+    from .marks import MARK_OP
+
+    seed = seeds[0]
+    with gm.graph.inserting_after(seed):
+        marked = gm.graph.call_function(MARK_OP, (seed, roles.SEED, ""))
+    seed.replace_all_uses_with(marked, delete_user_cb=lambda u: u is not marked)
+    gm.recompile()
+    return _Joint(gm, params, buffers, inputs, kinds, out_kinds)
+
+
+@dataclass
+class StepInfo:
+    """What ``package_step`` needs besides the graph: names, initial values, output roles."""
+
+    params: dict[str, Tensor]
+    buffers: dict[str, Tensor]       # model buffers, by joint target
+    opt_state: dict[str, Tensor]     # by functional-optimizer key
+    scaler: dict[str, Tensor]
+    hyper: dict[str, Tensor]
+    inputs: list[str]
+    in_spec: Any
+    forward_arg_names: list[str] | None
+
+
+def build_step(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec, config: DLSConfig | None,
+               source: str) -> tuple[fx.GraphModule, StepInfo]:
+    """The role-tagged (not yet rewritten) training step of the joint program ``ep``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from .capture.optim import functionalize
+    from .marks import mark, resolve_marks
+    from .scale_policy import STATE_FIELDS, init_state
+
+    j = _joint(ep, source)
+    sd = ep.state_dict
+    consts = ep.constants
+    params = {k: torch.nn.Parameter(sd[k].detach().clone()) for k in j.params}
+    buffers = {k: (sd[k] if k in sd else consts[k]).detach().clone() for k in j.buffers}
+    opt = optimizer.make(list(params.values()))
+    fopt = functionalize(opt, {id(p): k for k, p in params.items()})
+    opt_state = {k: v.detach().clone() for k, v in fopt.state_tensors().items()}
+    hyper = {k: v.detach().clone() for k, v in fopt.hyper_tensors().items()}
+    scaler = dict(zip(STATE_FIELDS, init_state(config or DLSConfig(loss_scale=None)), strict=True))
+    example = list(ep.example_inputs[0]) if ep.example_inputs else None
+    if example is None or len(example) != len(j.inputs):
+        raise InputError(f"{source}: the program carries no example inputs to trace with")
+    n_p, n_b, n_o, n_s, n_h = len(params), len(buffers), len(opt_state), len(scaler), len(hyper)
+    grad_names = [t for k, t in j.out_kinds if k == "grad"]
+
+    def flat_step(*flat: Tensor) -> tuple[Tensor, ...]:
+        it = iter(flat)
+        p = {k: next(it) for k in params}
+        b = {k: next(it) for k in buffers}
+        o = {k: next(it) for k in opt_state}
+        s = [next(it) for _ in range(n_s)]
+        h = {k: next(it) for k in hyper}
+        x = list(it)
+        pi, bi, xi = iter(p.values()), iter(b.values()), iter(x)
+        args = [next(pi) if k == "param" else next(bi) if k == "buffer" else next(xi) for k in j.kinds]
+        outs = j.gm(*args)
+        new_b, loss, grads = dict(b), None, {}
+        for (kind, target), v in zip(j.out_kinds, outs, strict=True):
+            if kind == "loss":
+                loss = mark(v, roles.LOSS)
+            elif kind == "grad":
+                grads[target] = mark(v, roles.GRAD, target)
+            elif kind == "buffer":
+                new_b[target] = v
+        new_p, new_o = fopt.update(p, grads, o, h)
+        return (*new_p.values(), *new_b.values(), *new_o.values(), *s, loss)
+
+    flat = [*(v.detach() for v in params.values()), *buffers.values(), *opt_state.values(),
+            *scaler.values(), *hyper.values(), *example]
+    with quiet_torch():
+        gm = make_fx(flat_step, tracing_mode="fake")(*flat)
+    for node in gm.graph.nodes:
+        # make_fx may share one "custom" dict between nodes; roles must stay per node
+        if "custom" in node.meta:
+            node.meta["custom"] = dict(node.meta["custom"])
+    resolve_marks(gm)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    tags = ([(roles.PARAM, k, f"p_{_safe(k)}") for k in params]
+            + [(roles.BUFFER, k, f"b_{_safe(k)}") for k in buffers]
+            + [(roles.OPT_STATE, k, f"opt_{_safe(k)}") for k in opt_state]
+            + [(roles.SCALER_STATE, k, f"scaler_{k}") for k in scaler]
+            + [(roles.HYPER, k, f"hyper_{_safe(k)}") for k in hyper]
+            + [(roles.INPUT, k, k) for k in j.inputs])
+    for node, (role, target, name) in zip(placeholders, tags, strict=True):
+        roles.set_role(node, role, target)
+        node.name = node.target = name
+    out_roles = ([(roles.PARAM_UPDATE, k) for k in params]
+                 + [(roles.BUFFER_UPDATE, k) for k in buffers]
+                 + [(roles.OPT_STATE_UPDATE, k) for k in opt_state]
+                 + [(roles.SCALER_STATE_UPDATE, k) for k in scaler] + [(roles.LOSS, None)])
+    roles.set_output_roles(gm.graph, out_roles)
+    for node, (role, target) in zip(roles.output_values(gm.graph), out_roles, strict=True):
+        if node.op != "placeholder" and roles.role_of(node) is None:
+            roles.set_role(node, role, target)
+    missing = set(params) - set(grad_names)
+    if missing == set(params):
+        raise InputError(f"{source}: no parameter receives a gradient")
+    gm.graph.lint()
+    gm.recompile()
+    sig = ep.module_call_graph[0].signature if ep.module_call_graph else None
+    info = StepInfo(params, buffers, opt_state, scaler, hyper, j.inputs,
+                    sig.in_spec if sig is not None else None,
+                    getattr(sig, "forward_arg_names", None) if sig is not None else None)
+    del n_p, n_b, n_o, n_h
+    return gm, info
+
+
+# ---- step graph -> ExportedProgram -----------------------------------------------------------
+
+def _buffer_name(role: str, target: str) -> str:
+    prefix = {roles.OPT_STATE: "dlspass_opt", roles.SCALER_STATE: "dlspass_scaler",
+              roles.HYPER: "dlspass_hyper"}[role]
+    return f"{prefix}_{_safe(target)}"
+
+
+def _lift_constants(gm: fx.GraphModule) -> dict[str, Tensor]:
+    """Turn tensor ``get_attr`` nodes (constants the passes created) into placeholders."""
+    consts: dict[str, Tensor] = {}
+    graph = gm.graph
+    first_input = next((n for n in graph.find_nodes(op="placeholder") if roles.role_of(n) == roles.INPUT), None)
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target)
+        if not isinstance(value, Tensor):
+            raise InputError(f"cannot package get_attr {node.target!r} of type {type(value).__name__}")
+        name = f"c_{_safe(node.target)}"
+        anchor = first_input if first_input is not None else _first_non_placeholder(graph)
+        with graph.inserting_before(anchor):
+            ph = graph.placeholder(name)
+        ph.meta.update(node.meta)
+        if "val" not in ph.meta:
+            from torch._guards import detect_fake_mode
+
+            mode = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")
+                                     if isinstance(n.meta.get("val"), Tensor)])
+            ph.meta["val"] = mode.from_tensor(value) if mode is not None else value
+        node.replace_all_uses_with(ph)
+        graph.erase_node(node)
+        consts[ph.name] = value.detach().clone()
+    return consts
+
+
+def _first_non_placeholder(graph: fx.Graph) -> fx.Node:
+    return next(n for n in graph.nodes if n.op != "placeholder")
+
+
+def package_step(gm: fx.GraphModule, info: StepInfo) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
+    """Re-package the rewritten step graph ``gm`` as an ``ExportedProgram`` (see module doc).
+
+    Outputs that return their placeholder unchanged are dropped (nothing to mutate) and a
+    value returned at two positions gets a clone, because the signature names outputs by node.
+    Returns the program and the ``dlspass.json`` fields that describe its roles.
+    """
+    from torch.export import ExportedProgram
+    from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+    from torch.export.graph_signature import (
+        ExportGraphSignature,
+        InputKind,
+        InputSpec,
+        OutputKind,
+        OutputSpec,
+        TensorArgument,
+    )
+    from torch.utils._pytree import tree_flatten
+
+    gm = copy.deepcopy(gm)
+    graph = gm.graph
+    consts = _lift_constants(gm)
+    placeholders = graph.find_nodes(op="placeholder")
+    by_key = {(roles.role_of(n), roles.target_of(n)): n for n in placeholders}
+    values = {roles.PARAM: info.params, roles.BUFFER: info.buffers, roles.OPT_STATE: info.opt_state,
+              roles.SCALER_STATE: info.scaler, roles.HYPER: info.hyper}
+    state_dict: dict[str, Tensor] = {}
+    input_specs, buffer_names = [], {}
+    for node in placeholders:
+        role, target = roles.role_of(node), roles.target_of(node)
+        if node.name in consts:
+            input_specs.append(InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), node.name))
+        elif role == roles.PARAM:
+            state_dict[target] = torch.nn.Parameter(values[role][target].detach().clone())
+            input_specs.append(InputSpec(InputKind.PARAMETER, TensorArgument(node.name), target))
+        elif role in values:
+            name = target if role == roles.BUFFER else _buffer_name(role, target)
+            buffer_names[f"{role}:{target}"] = name
+            state_dict[name] = values[role][target].detach().clone()
+            input_specs.append(InputSpec(InputKind.BUFFER, TensorArgument(node.name), name, persistent=True))
+        elif role == roles.INPUT:
+            input_specs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(node.name), None))
+        else:
+            raise InputError(f"placeholder {node.name} has no role")
+    kept_vals, kept_roles, output_specs, seen = [], [], [], set()
+    for v, (role, target) in zip(roles.output_values(graph), roles.output_roles(graph), strict=True):
+        if role == roles.LOSS:
+            spec_kind, spec_target = OutputKind.LOSS_OUTPUT, None
+        else:
+            src = {roles.PARAM_UPDATE: roles.PARAM, roles.BUFFER_UPDATE: roles.BUFFER,
+                   roles.OPT_STATE_UPDATE: roles.OPT_STATE,
+                   roles.SCALER_STATE_UPDATE: roles.SCALER_STATE}[role]
+            if by_key.get((src, target)) is v:
+                continue  # unchanged: no mutation to declare
+            if src == roles.PARAM:
+                spec_kind, spec_target = OutputKind.PARAMETER_MUTATION, target
+            else:
+                spec_kind = OutputKind.BUFFER_MUTATION
+                spec_target = target if src == roles.BUFFER else _buffer_name(src, target)
+        if v in seen or v.op == "placeholder":
+            from .splice import set_fake_val
+
+            with graph.inserting_before(graph.output_node()):
+                dup = graph.call_function(torch.ops.aten.clone.default, (v,))
+            set_fake_val(dup)
+            roles.set_role(dup, role, target)
+            v = dup
+        seen.add(v)
+        kept_vals.append(v)
+        kept_roles.append((role, target))
+        output_specs.append(OutputSpec(spec_kind, TensorArgument(v.name), spec_target))
+    graph.output_node().args = (tuple(kept_vals),)
+    roles.set_output_roles(graph, kept_roles)
+    graph.lint()
+    gm.recompile()
+    sig = ExportGraphSignature(input_specs=input_specs, output_specs=output_specs)
+    loss_node = kept_vals[-1]
+    out_spec = tree_flatten(loss_node.meta["val"])[1]
+    call_sig = ModuleCallSignature(inputs=[], outputs=[], in_spec=info.in_spec, out_spec=out_spec,
+                                   forward_arg_names=info.forward_arg_names)
+    example = None
+    ep = ExportedProgram(
+        root=gm, graph=gm.graph, graph_signature=sig, state_dict=state_dict, range_constraints={},
+        module_call_graph=[ModuleCallEntry(fqn="", signature=call_sig)], example_inputs=example,
+        constants=consts)
+    # torch.export.save keeps node.meta["custom"] of computed nodes only
+    meta = {"output_roles": [list(r) for r in kept_roles], "buffer_names": buffer_names,
+            "placeholder_roles": {n.name: [roles.role_of(n), roles.target_of(n)]
+                                  for n in placeholders if n.name not in consts}}
+    return ep, meta
+
+
+# ---- the whole transform -----------------------------------------------------------------------
+
+def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | None,
+                      config: DLSConfig | None, optimizer: OptimizerSpec, *,
+                      precision_mode: str = "emulate", source: str = "input"
+                      ) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
+    """The DLS training step of the joint (or plain loss) program ``ep`` and its metadata.
+
+    A program that is already a dlspass step is returned unchanged when ``config``, optimizer
+    and precision mode are the ones it was built with, and refused otherwise.
+    """
+    from dlspass.passes import apply_dls
+
+    wanted = {"config": None if config is None else config.to_dict(),
+              "optimizer": optimizer.to_dict(), "precision_mode": precision_mode}
+    if meta is not None and meta.get("kind") == "step":
+        have = {k: meta.get(k) for k in wanted}
+        if json.dumps(have, sort_keys=True) == json.dumps(wanted, sort_keys=True):
+            return ep, meta
+        raise InputError(f"{source}: already a dlspass training step built with "
+                         f"{json.dumps(have, sort_keys=True)}; transform the original joint "
+                         "program to change the settings")
+    if getattr(ep.graph_signature, "backward_signature", None) is None:
+        ep = joint_program(ep, source)
+    gm, info = build_step(ep, optimizer, config, source)
+    gm = apply_dls(gm, config, precision_mode=precision_mode)
+    out, roles_meta = package_step(gm, info)
+    full = {"format": "dlspass-step", "version": FORMAT_VERSION, "kind": "step", **wanted,
+            **roles_meta, "inputs": info.inputs,
+            "applied_passes": gm.graph.output_node().meta.get("custom", {}).get("dlspass_applied", [])}
+    return out, full
+
+
+def step_graph(ep: torch.export.ExportedProgram, meta: dict[str, Any] | None) -> fx.GraphModule:
+    """The program's graph module with the dlspass output metadata restored (for verify/inspect)."""
+    gm = ep.graph_module
+    if meta is None or meta.get("kind") != "step":
+        return gm
+    ph_roles = meta.get("placeholder_roles", {})
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if node.name in ph_roles and roles.role_of(node) is None:
+            roles.set_role(node, *ph_roles[node.name])
+    custom = gm.graph.output_node().meta.setdefault("custom", {})
+    custom[roles.OUTPUTS_KEY] = [list(r) for r in meta["output_roles"]]
+    custom["dlspass_config"] = json.dumps(meta["config"], sort_keys=True)
+    custom["dlspass_precision_mode"] = meta.get("precision_mode")
+    custom["dlspass_applied"] = list(meta.get("applied_passes", []))
+    return gm

@@ -1,0 +1,361 @@
+"""``dlspass inspect``: summarise a graph file and render it as text, JSON, SVG or HTML.
+
+``summarize_file(path)`` reads a ``.pt2`` (joint program or dlspass step) or a ``.onnx`` and
+returns one JSON-serialisable report (``REPORT_SCHEMA``): op histogram, nodes each pass inserted,
+casts per dtype/format, the scaled region (nodes between the scaled seed and the unscale),
+a roles table, the embedded DLS config and the graph itself (nodes and edges).
+``render(report, fmt, other)`` draws it; ``other`` adds a before/after diff. The SVG is written
+here (networkx only computes the layout): no Graphviz, and the HTML is one offline file.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from . import roles
+
+FORMATS = ("text", "json", "svg", "html")
+SCHEMA_ID = "dlspass-inspect/1"
+
+_COUNTS = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}}
+_NODE = {
+    "type": "object",
+    "required": ["id", "op", "target", "role", "target_entry", "pass"],
+    "properties": {
+        "id": {"type": "string"}, "op": {"type": "string"}, "target": {"type": "string"},
+        "role": {"type": ["string", "null"]}, "target_entry": {"type": ["string", "null"]},
+        "pass": {"type": ["string", "null"]},
+    },
+    "additionalProperties": False,
+}
+REPORT_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": SCHEMA_ID,
+    "title": "dlspass inspect report",
+    "type": "object",
+    "required": ["schema", "file", "file_format", "kind", "config", "node_count", "op_histogram",
+                 "inserted_by_pass", "casts", "scaled_region", "roles", "graph"],
+    "properties": {
+        "schema": {"const": SCHEMA_ID},
+        "file": {"type": "string"},
+        "file_format": {"enum": ["pt2", "onnx"]},
+        "kind": {"enum": ["step", "joint", "program", "onnx"]},
+        "config": {"type": ["object", "null"]},
+        "optimizer": {"type": ["object", "null"]},
+        "precision_mode": {"type": ["string", "null"]},
+        "node_count": {"type": "integer", "minimum": 0},
+        "op_histogram": _COUNTS,
+        "inserted_by_pass": _COUNTS,
+        "casts": _COUNTS,
+        "scaled_region": {
+            "type": "object", "required": ["size", "seed", "unscale"],
+            "properties": {"size": {"type": "integer", "minimum": 0},
+                           "seed": {"type": ["string", "null"]},
+                           "unscale": {"type": "array", "items": {"type": "string"}}},
+        },
+        "roles": {"type": "array", "items": {
+            "type": "object", "required": ["node", "role", "target", "pass"],
+            "properties": {"node": {"type": "string"}, "role": {"type": "string"},
+                           "target": {"type": ["string", "null"]}, "pass": {"type": ["string", "null"]}},
+        }},
+        "graph": {
+            "type": "object", "required": ["nodes", "edges"],
+            "properties": {
+                "nodes": {"type": "array", "items": _NODE},
+                "edges": {"type": "array", "items": {"type": "array", "items": {"type": "string"},
+                                                     "minItems": 2, "maxItems": 2}},
+            },
+        },
+        "diff": {
+            "type": "object", "required": ["other", "added_ops", "removed_ops", "node_delta"],
+            "properties": {"other": {"type": "string"}, "added_ops": _COUNTS,
+                           "removed_ops": _COUNTS, "node_delta": {"type": "integer"},
+                           "added_roles": _COUNTS},
+        },
+    },
+}
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+def _op_name(node: Any) -> str:
+    t = node.target
+    if node.op == "call_function":
+        name = getattr(t, "__name__", None) or str(t)
+        ns = getattr(getattr(t, "namespace", None), "__str__", lambda: "")()
+        return f"{ns}.{name}" if ns and not name.startswith(ns) else name
+    return node.op
+
+
+def _cast_key(node: Any) -> str:
+    from .formats import _is_round_node, _node_args
+
+    if _is_round_node(node):
+        return _node_args(node)[1]
+    val = node.meta.get("val")
+    return str(getattr(val, "dtype", "unknown")).replace("torch.", "")
+
+
+def _summarize_fx(gm: Any) -> dict[str, Any]:
+    graph = gm.graph
+    nodes, edges, role_rows = [], [], []
+    inserted: Counter[str] = Counter()
+    casts: Counter[str] = Counter()
+    hist: Counter[str] = Counter()
+    for node in graph.nodes:
+        role, target, by = roles.role_of(node), roles.target_of(node), roles.pass_of(node)
+        op = _op_name(node)
+        nodes.append({"id": node.name, "op": node.op, "target": op, "role": role,
+                      "target_entry": target, "pass": by})
+        if node.op == "call_function":
+            hist[op] += 1
+        if by is not None:
+            inserted[by] += 1
+        if role == roles.CAST:
+            casts[_cast_key(node)] += 1
+        if role is not None:
+            role_rows.append({"node": node.name, "role": role, "target": target, "pass": by})
+        edges += [[inp.name, node.name] for inp in node.all_input_nodes]
+    return {"nodes": nodes, "edges": edges, "roles": role_rows, "inserted": dict(inserted),
+            "casts": dict(casts), "hist": dict(hist), "region": _scaled_region(nodes, edges)}
+
+
+def _scaled_region(nodes: list[dict], edges: list[list[str]]) -> dict[str, Any]:
+    """Nodes on a path from the scaled seed to an unscale node (the values that carry the scale)."""
+    dag = nx.DiGraph()
+    dag.add_nodes_from(n["id"] for n in nodes)
+    dag.add_edges_from(edges)
+    seeds = [n["id"] for n in nodes if n["role"] == roles.SCALED_SEED]
+    unscale = [n["id"] for n in nodes if n["role"] == roles.UNSCALE]
+    if not seeds:
+        return {"size": 0, "seed": None, "unscale": unscale}
+    down = nx.descendants(dag, seeds[0]) | {seeds[0]}
+    up: set[str] = set()
+    for u in unscale:
+        up |= nx.ancestors(dag, u) | {u}
+    return {"size": len(down & up), "seed": seeds[0], "unscale": unscale}
+
+
+def _summarize_pt2(path: Path) -> dict[str, Any]:
+    from .export_io import load_program, step_graph
+
+    ep, meta = load_program(path)
+    kind = (meta or {}).get("kind") or ("joint" if getattr(ep.graph_signature, "backward_signature", None)
+                                        else "program")
+    s = _summarize_fx(step_graph(ep, meta))
+    return {"file_format": "pt2", "kind": kind, "meta": meta or {}, **s}
+
+
+def _summarize_onnx(path: Path) -> dict[str, Any]:
+    from .onnx_io import load_onnx, onnx_meta
+
+    model = load_onnx(path)
+    meta = onnx_meta(model) or {}
+    out_roles = json.loads(model.metadata_props.get("dlspass_roles", "{}"))
+    nodes, edges, hist = [], [], Counter()
+    producer: dict[str, str] = {}
+    for v in model.graph.inputs:
+        nodes.append({"id": v.name, "op": "input", "target": "input", "role": None,
+                      "target_entry": None, "pass": None})
+        producer[v.name] = v.name
+    for i, node in enumerate(model.graph):
+        nid = node.name or f"{node.op_type}_{i}"
+        hist[node.op_type] += 1
+        role = target = None
+        for o in node.outputs:
+            producer[o.name] = nid
+            if o.name in out_roles:
+                role, target = out_roles[o.name]
+        nodes.append({"id": nid, "op": "node", "target": node.op_type, "role": role,
+                      "target_entry": target, "pass": None})
+        edges += [[producer[v.name], nid] for v in node.inputs if v is not None and v.name in producer]
+    rows = [{"node": n["id"], "role": n["role"], "target": n["target_entry"], "pass": None}
+            for n in nodes if n["role"]]
+    return {"file_format": "onnx", "kind": "onnx", "meta": meta, "nodes": nodes, "edges": edges,
+            "roles": rows, "inserted": {}, "casts": {k: v for k, v in hist.items() if k == "Cast"},
+            "hist": dict(hist), "region": {"size": 0, "seed": None, "unscale": []}}
+
+
+def summarize_file(path: str | Path) -> dict[str, Any]:
+    """The inspect report of a ``.pt2`` or ``.onnx`` file (see ``REPORT_SCHEMA``)."""
+    from .export_io import check_input_file
+
+    p = check_input_file(path)
+    s = _summarize_pt2(p) if p.suffix == ".pt2" else _summarize_onnx(p)
+    meta = s["meta"]
+    return {
+        "schema": SCHEMA_ID, "file": str(p), "file_format": s["file_format"], "kind": s["kind"],
+        "config": meta.get("config"), "optimizer": meta.get("optimizer"),
+        "precision_mode": meta.get("precision_mode"),
+        "node_count": sum(1 for n in s["nodes"] if n["op"] in ("call_function", "node")),
+        "op_histogram": dict(sorted(s["hist"].items())),
+        "inserted_by_pass": s["inserted"], "casts": s["casts"], "scaled_region": s["region"],
+        "roles": s["roles"], "graph": {"nodes": s["nodes"], "edges": s["edges"]},
+    }
+
+
+def diff_reports(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What ``after`` has that ``before`` lacks (ops and roles), and the node-count change."""
+    a, b = Counter(after["op_histogram"]), Counter(before["op_histogram"])
+    ra = Counter(r["role"] for r in after["roles"])
+    rb = Counter(r["role"] for r in before["roles"])
+    return {"other": before["file"], "added_ops": dict(sorted((a - b).items())),
+            "removed_ops": dict(sorted((b - a).items())),
+            "node_delta": after["node_count"] - before["node_count"],
+            "added_roles": dict(sorted((ra - rb).items()))}
+
+
+# ---- rendering -------------------------------------------------------------------------------
+
+def render(report: dict[str, Any], fmt: str, other: dict[str, Any] | None = None) -> str:
+    """``report`` (with a diff against ``other``) as text, json, svg or html."""
+    if other is not None:
+        report = {**report, "diff": diff_reports(report, other)}
+    if fmt == "json":
+        return json.dumps(report, indent=1, sort_keys=True)
+    if fmt == "svg":
+        return render_svg(report)
+    if fmt == "html":
+        return render_html(report)
+    if fmt == "text":
+        return render_text(report)
+    raise ValueError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+def render_text(r: dict[str, Any]) -> str:
+    lines = [f"{r['file']}: {r['kind']} ({r['file_format']}), {r['node_count']} ops"]
+    if r["config"] is not None:
+        lines.append("DLS config: " + json.dumps(r["config"], sort_keys=True))
+    if r.get("optimizer"):
+        lines.append("optimizer: " + json.dumps(r["optimizer"], sort_keys=True))
+    lines.append("inserted by pass: " + (", ".join(f"{k} {v}" for k, v in r["inserted_by_pass"].items()) or "none"))
+    lines.append("casts: " + (", ".join(f"{k} {v}" for k, v in sorted(r["casts"].items())) or "none"))
+    reg = r["scaled_region"]
+    lines.append(f"scaled region: {reg['size']} nodes from {reg['seed']} to {len(reg['unscale'])} unscale nodes")
+    counts = Counter(row["role"] for row in r["roles"])
+    lines.append("roles: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if "diff" in r:
+        d = r["diff"]
+        lines.append(f"diff against {d['other']}: {d['node_delta']:+d} ops")
+        lines += [f"  + {k} x{v}" for k, v in d["added_ops"].items()]
+        lines += [f"  - {k} x{v}" for k, v in d["removed_ops"].items()]
+    return "\n".join(lines)
+
+
+_COLORS = {"inserted": "#f28e2b", "role": "#4e79a7", "io": "#59a14f", "plain": "#bab0ac"}
+
+
+def _layout(r: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Layered layout: topological generation -> column; rows ordered by the mean row of each
+    node's inputs (one barycenter sweep), which keeps chains straight and crossings few."""
+    dag = nx.DiGraph()
+    order = {n["id"]: i for i, n in enumerate(r["graph"]["nodes"])}
+    dag.add_nodes_from(order)
+    dag.add_edges_from(tuple(e) for e in r["graph"]["edges"])
+    gens = [list(g) for g in nx.topological_generations(dag)]
+    col = {nid: x for x, gen in enumerate(gens) for nid in gen}
+    # sources (inputs, state) sit just left of their first user, not all in column 0
+    for nid in gens[0] if gens else []:
+        users = [col[u] for u in dag.successors(nid)]
+        col[nid] = max(min(users) - 1, 0) if users else 0
+    gens = [[n for n in order if col[n] == x] for x in range(max(col.values(), default=-1) + 1)]
+    pos: dict[str, tuple[float, float]] = {}
+    for x, gen in enumerate(gens):
+        def key(nid: str) -> tuple[float, int]:
+            ys = [pos[p][1] for p in dag.predecessors(nid) if p in pos]
+            return (sum(ys) / len(ys) if ys else float(order[nid]), order[nid])
+
+        for y, nid in enumerate(sorted(gen, key=key)):
+            pos[nid] = (float(x), float(y))
+    return pos
+
+
+def render_svg(r: dict[str, Any]) -> str:
+    """The graph as a standalone SVG: inserted nodes orange (class ``dls-inserted``)."""
+    pos = _layout(r)
+    dx, dy, pad, rad = 34.0, 22.0, 20.0, 7.0
+    width = pad * 2 + dx * (max((p[0] for p in pos.values()), default=0) + 1)
+    height = pad * 2 + dy * (max((p[1] for p in pos.values()), default=0) + 1) + 20
+
+    def xy(nid: str) -> tuple[float, float]:
+        x, y = pos[nid]
+        return pad + x * dx, pad + 20 + y * dy
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="dlspass-graph" width="{width:.0f}" '
+             f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" font-family="sans-serif" '
+             'font-size="10">',
+             f'<text x="{pad}" y="14">{html.escape(Path(r["file"]).name)}: {r["node_count"]} ops; '
+             'orange = inserted by dlspass, blue = tagged role, green = input/output</text>',
+             '<g class="edges" stroke="#999" stroke-width="0.6" fill="none">']
+    for a, b in r["graph"]["edges"]:
+        (x1, y1), (x2, y2) = xy(a), xy(b)
+        parts.append(f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}"/>')
+    parts.append('</g><g class="nodes">')
+    for n in r["graph"]["nodes"]:
+        x, y = xy(n["id"])
+        if n["pass"]:
+            cls, color = "dls-inserted", _COLORS["inserted"]
+        elif n["op"] in ("placeholder", "output", "input"):
+            cls, color = "io", _COLORS["io"]
+        elif n["role"]:
+            cls, color = "role", _COLORS["role"]
+        else:
+            cls, color = "plain", _COLORS["plain"]
+        title = f"{n['id']}: {n['target']}"
+        if n["role"]:
+            title += f" [{n['role']}{' ' + n['target_entry'] if n['target_entry'] else ''}]"
+        if n["pass"]:
+            title += f" (inserted by {n['pass']})"
+        extra = f' data-pass="{html.escape(n["pass"])}"' if n["pass"] else ""
+        parts.append(f'<circle class="{cls}" cx="{x:.1f}" cy="{y:.1f}" r="{rad}" fill="{color}"'
+                     f'{extra}><title>{html.escape(title)}</title></circle>')
+    parts.append("</g></svg>")
+    return "\n".join(parts)
+
+
+def _table(headers: list[str], rows: list[list[Any]], cls: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape('' if c is None else str(c))}</td>" for c in row)
+                   + "</tr>" for row in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def render_html(r: dict[str, Any]) -> str:
+    """One self-contained offline HTML page: summary, inline SVG graph, roles table, diff."""
+    summary = _table(["item", "value"], [
+        ["file", r["file"]], ["kind", r["kind"]], ["ops", r["node_count"]],
+        ["DLS config", json.dumps(r["config"], sort_keys=True) if r["config"] else "none"],
+        ["optimizer", json.dumps(r.get("optimizer"), sort_keys=True) if r.get("optimizer") else "none"],
+        ["inserted by pass", ", ".join(f"{k}: {v}" for k, v in r["inserted_by_pass"].items()) or "none"],
+        ["casts", ", ".join(f"{k}: {v}" for k, v in sorted(r["casts"].items())) or "none"],
+        ["scaled region", f"{r['scaled_region']['size']} nodes from {r['scaled_region']['seed']}"],
+    ], "summary")
+    role_rows = [[x["node"], x["role"], x["target"], x["pass"]] for x in r["roles"]]
+    roles_html = _table(["node", "role", "target", "inserted by"], role_rows, "roles")
+    if "diff" in r:
+        d = r["diff"]
+        rows = ([["+", k, v] for k, v in d["added_ops"].items()]
+                + [["-", k, v] for k, v in d["removed_ops"].items()])
+        diff_html = (f'<section id="diff"><h2>Diff against {html.escape(d["other"])} '
+                     f'({d["node_delta"]:+d} ops)</h2>{_table(["", "op", "count"], rows, "diff")}</section>')
+    else:
+        diff_html = '<section id="diff"><h2>Diff</h2><p>No --diff file given.</p></section>'
+    style = ("body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;"
+             "margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;"
+             "text-align:left}th{background:#eee}.graph{overflow:auto;border:1px solid #ccc;"
+             "max-height:70vh}.diff td:first-child{font-weight:bold}")
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>dlspass inspect: {html.escape(Path(r['file']).name)}</title>"
+            f"<style>{style}</style></head><body>"
+            f"<h1>dlspass inspect: {html.escape(Path(r['file']).name)}</h1>"
+            f'<section id="summary"><h2>Summary</h2>{summary}</section>'
+            f'<section id="graph"><h2>Graph</h2><div class="graph">{render_svg(r)}</div></section>'
+            f"{diff_html}"
+            f'<section id="roles"><h2>Roles</h2>{roles_html}</section>'
+            "</body></html>\n")

@@ -1,0 +1,129 @@
+"""``dlspass export`` -> ``transform`` -> ``torch.export.load`` -> train, against ``capture_step``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import cli_factories as cf
+import pytest
+import torch
+
+from dlspass import roles
+from dlspass.config import DLSConfig
+from dlspass.export_io import OptimizerSpec, load_program, step_graph
+
+ROOT = Path(__file__).resolve().parents[1]
+# the optimizer each model trains with, as CLI flags and as the reference's spec
+OPTIMIZERS = {
+    "mlp": (("--optimizer", "adam", "--lr", "0.01"), OptimizerSpec(kind="adam", lr=0.01)),
+    "gpt": (("--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"),
+            OptimizerSpec(kind="sgd", lr=0.05, momentum=0.9)),
+}
+
+
+def _fp32_step(name: str) -> Path:
+    flags, _ = OPTIMIZERS[name]
+    return cf.step_file(name, ".pt2", "--no-mixed-precision", "--config", str(cf.dls_yaml()), *flags)
+
+
+def _reference_config() -> DLSConfig:
+    return dataclasses.replace(DLSConfig.from_yaml(str(cf.dls_yaml())), mixed_precision=False)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_exported_step_trains_like_capture_step(name):
+    data = cf.batches(name, 20)
+    got = cf.train_pt2(_fp32_step(name), data)
+    ref = cf.train_reference(name, _reference_config(), OPTIMIZERS[name][1], data)
+    # the forced overflow is skipped, and the scale follows the same trajectory
+    assert got["skipped"] == ref["skipped"]
+    assert got["skipped"][-1] == 1 and got["skipped"][cf.OVERFLOW_STEP] == 1
+    assert got["scales"] == ref["scales"]
+    assert got["scales"][cf.OVERFLOW_STEP] == got["scales"][cf.OVERFLOW_STEP - 1] / 2
+    assert max(got["scales"]) > 1024  # it grew as well (steps_per_increase 4)
+    for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+        if i == cf.OVERFLOW_STEP:
+            assert not torch.isfinite(torch.tensor([a, b])).any()
+        else:
+            assert a == pytest.approx(b, rel=1e-6), f"step {i}"
+    assert cf.max_rel(got["params"], ref["params"]) < 1e-6
+
+
+def test_overflow_step_leaves_params_and_state_unchanged():
+    path = _fp32_step("mlp")
+    data = cf.batches("mlp", cf.OVERFLOW_STEP + 1)
+    before = cf.train_pt2(path, data[: cf.OVERFLOW_STEP])
+    after = cf.train_pt2(path, data)
+    for k, v in before["state"].items():
+        if "scaler" in k:
+            continue
+        assert torch.equal(v, after["state"][k]), k  # params and Adam moments bit-identical
+
+
+def test_roles_and_config_survive_save_and_load():
+    path = _fp32_step("gpt")
+    with zipfile.ZipFile(path) as z:
+        assert any(n.endswith("extra/dlspass.json") for n in z.namelist())
+    ep, meta = load_program(path)
+    assert meta["kind"] == "step" and meta["config"]["steps_per_increase"] == 4
+    assert meta["optimizer"]["momentum"] == 0.9
+    # computed nodes keep node.meta["custom"] through torch.export.save/load
+    loaded = [n for n in ep.graph.nodes if roles.role_of(n) is not None]
+    assert {roles.role_of(n) for n in loaded} >= {roles.SEED, roles.GRAD, roles.SCALED_SEED,
+                                                 roles.UNSCALE, roles.GUARD}
+    gm = step_graph(ep, meta)
+    n_params = sum(1 for n in gm.graph.find_nodes(op="placeholder") if roles.role_of(n) == roles.PARAM)
+    assert n_params == len(ep.graph_signature.parameters) == 16
+    assert [s.kind.name for s in ep.graph_signature.output_specs][-1] == "LOSS_OUTPUT"
+    kinds = {s.kind.name for s in ep.graph_signature.input_specs}
+    assert kinds == {"PARAMETER", "BUFFER", "USER_INPUT"}
+    assert [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"] == \
+        ["idx", "targets", "mult"]
+
+
+def test_retransform_same_settings_is_idempotent_and_different_is_refused(tmp_path, capsys):
+    src = _fp32_step("mlp")
+    flags, _ = OPTIMIZERS["mlp"]
+    again = tmp_path / "again.pt2"
+    assert cf.cli("transform", src, "-o", again, "--no-mixed-precision", "--config",
+                  cf.dls_yaml(), *flags) == 0
+    a, _ = load_program(src)
+    b, meta_b = load_program(again)
+    assert [n.name for n in a.graph.nodes] == [n.name for n in b.graph.nodes]
+    assert meta_b["config"]["steps_per_increase"] == 4
+    capsys.readouterr()
+    other = tmp_path / "other.pt2"
+    assert cf.cli("transform", src, "-o", other, "--fp16-type", "cbfloat16") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already a dlspass training step" in err
+    assert not other.exists()
+
+
+def test_cbfloat16_step_trains_and_verifies(tmp_path):
+    path = cf.step_file("mlp", ".pt2", "--fp16-type", "cbfloat16")
+    assert cf.cli("verify", path) == 0
+    got = cf.train_pt2(path, cf.batches("mlp", 10))
+    assert got["scales"][0] == 2.0**31 and got["skipped"][-1] == 1
+    assert all(torch.isfinite(torch.tensor(got["losses"][cf.OVERFLOW_STEP + 1:])))
+
+
+def test_export_and_transform_as_subprocesses(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("DLSPASS_DEBUG", None)
+    joint = tmp_path / "mlp.pt2"
+    res = subprocess.run([sys.executable, "-m", "dlspass", "export", "cli_factories:mlp", "-o", str(joint)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "" and res.stderr.strip() == f"wrote {joint}"
+    ep, meta = load_program(joint)
+    assert meta["kind"] == "joint" and ep.graph_signature.backward_signature.loss_output
+    res = subprocess.run([sys.executable, "-m", "dlspass", "verify", str(_fp32_step("mlp"))],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and res.stdout.startswith("OK "), res.stderr
+    assert json.loads(res.stdout.split("config ", 1)[1].rstrip(")\n"))["loss_scale"] == "dynamic"

@@ -1,0 +1,162 @@
+"""``dlspass transform --to onnx``: onnxruntime trains the step with the state fed back."""
+
+from __future__ import annotations
+
+import json
+
+import cli_factories as cf
+import onnx
+import pytest
+import torch
+
+from dlspass.export_io import load_program
+from dlspass.onnx_io import load_onnx, onnx_meta
+
+FLAGS = {
+    "mlp": ("--no-mixed-precision", "--optimizer", "adam", "--lr", "0.01"),
+    "gpt": ("--no-mixed-precision", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"),
+}
+
+
+def _pair(name: str, *extra: str):
+    flags = (*FLAGS[name], "--config", str(cf.dls_yaml()), *extra)
+    return cf.step_file(name, ".pt2", *flags), cf.step_file(name, ".onnx", *flags, "--to", "onnx")
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_onnxruntime_trains_like_pytorch(name):
+    pt2, onnx_path = _pair(name)
+    data = cf.batches(name, 20)
+    ref = cf.train_pt2(pt2, data)
+    ep, _ = load_program(pt2)
+    got = cf.train_onnx(onnx_path, dict(ep.state_dict), data)
+    assert got["skipped"] == ref["skipped"] and ref["skipped"][-1] == 1
+    assert got["scales"] == ref["scales"]
+    assert max(ref["scales"]) > 1024
+    params = {k: v for k, v in ref["params"].items()}
+    assert cf.max_rel(got["params"], params) < 1e-5
+    finite = [i for i in range(20) if i != cf.OVERFLOW_STEP]
+    assert [got["losses"][i] for i in finite] == pytest.approx([ref["losses"][i] for i in finite], rel=1e-5)
+
+
+def test_onnx_model_is_valid_and_carries_roles():
+    _, onnx_path = _pair("mlp")
+    onnx.checker.check_model(onnx.load(str(onnx_path)))
+    model = load_onnx(onnx_path)
+    meta = onnx_meta(model)
+    assert meta["kind"] == "step" and meta["user_inputs"] == ["x", "y"]
+    assert meta["outputs"][-1] == "loss"
+    roles_map = json.loads(model.metadata_props["dlspass_roles"])
+    assert roles_map["net.fc1.weight.new"] == ["param_update", "net.fc1.weight"]
+    # parameters and state are graph inputs (overridable), not frozen initializers
+    inputs = {v.name for v in model.graph.inputs}
+    assert {"net.fc1.weight", "dlspass_scaler_loss_scale", "x", "y"} <= inputs
+    ops = {n.op_type for n in model.graph}
+    assert "Where" in ops and "Sqrt" in ops  # the guard and the global norm are in the graph
+
+
+def test_cbfloat16_onnx_matches_pytorch_rounding():
+    pt2 = cf.step_file("mlp", ".pt2", "--fp16-type", "cbfloat16")
+    onnx_path = cf.step_file("mlp", ".onnx", "--fp16-type", "cbfloat16", "--to", "onnx")
+    data = cf.batches("mlp", 10)
+    ref = cf.train_pt2(pt2, data)
+    ep, _ = load_program(pt2)
+    got = cf.train_onnx(onnx_path, dict(ep.state_dict), data)
+    assert got["scales"] == ref["scales"] and got["scales"][0] == 2.0**31
+    assert got["skipped"] == ref["skipped"]
+    assert cf.max_rel(got["params"], ref["params"]) < 1e-5
+
+
+def test_config_yaml_supplies_dls_settings(tmp_path):
+    spec = cf.tmp_dir().parent  # noqa: F841 - keep the fixture dir alive
+    out = tmp_path / "zoo.pt2"
+    yaml = __import__("pathlib").Path(__file__).parent / "data" / "modelzoo_current_spec.yaml"
+    assert cf.cli("transform", cf.joint_file("mlp"), "-o", out, "--config", yaml) == 0
+    _, meta = load_program(out)
+    assert meta["config"]["fp16_type"] == "cbfloat16"
+    assert meta["config"]["max_gradient_norm"] == 1.0
+    assert "clip_grad_norm" in meta["applied_passes"]
+    got = cf.train_pt2(out, cf.batches("mlp", 3))
+    assert got["scales"] == [2.0**31] * 3 and all(torch.isfinite(torch.tensor(got["losses"])))
+
+
+def test_static_loss_scale_has_no_scaler_mutation(tmp_path):
+    out = tmp_path / "static.pt2"
+    assert cf.cli("transform", cf.joint_file("mlp"), "-o", out, "--loss-scale", "128",
+                  "--no-mixed-precision") == 0
+    ep, meta = load_program(out)
+    assert meta["config"]["loss_scale"] == 128.0
+    mutated = {s.target for s in ep.graph_signature.output_specs if s.kind.name == "BUFFER_MUTATION"}
+    assert not any("scaler" in t for t in mutated)
+    # a static scale does not skip: the inf step corrupts the parameters (no guard)
+    got = cf.train_pt2(out, cf.batches("mlp", cf.OVERFLOW_STEP + 1))
+    assert not torch.isfinite(torch.cat([p.flatten() for p in got["params"].values()])).all()
+
+
+def test_onnx_training_graph_input_gets_dls(tmp_path):
+    """``export -o joint.onnx`` -> ``transform joint.onnx``; ORT + a numpy SGD loop that skips
+    when ``dlspass_isfinite`` is False must follow the .pt2 step (SGD, same DLS config)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    joint, dls = tmp_path / "joint.onnx", tmp_path / "dls.onnx"
+    assert cf.cli("export", "cli_factories:mlp", "-o", joint) == 0
+    assert cf.cli("transform", joint, "-o", dls, "--config", cf.dls_yaml()) == 0
+    onnx.checker.check_model(onnx.load(str(dls)))
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(dls), sess_options=so, providers=["CPUExecutionProvider"])
+    meta = json.loads(sess.get_modelmeta().custom_metadata_map["dlspass.json"])
+    names = [o.name for o in sess.get_outputs()]
+    inputs = {i.name for i in sess.get_inputs()} | set(meta["state_inputs"])
+    model, _ = cf.mlp()
+    params = {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+    assert set(meta["state_inputs"]) == set(params)
+    from dlspass.config import DLSConfig
+    from dlspass.scale_policy import STATE_FIELDS, init_state
+
+    state = {f"dlspass_scaler_{f}": v.numpy() for f, v in
+             zip(STATE_FIELDS, init_state(DLSConfig.from_yaml(str(cf.dls_yaml()))), strict=True)}
+    data = cf.batches("mlp", 12)
+    lr, scales, skipped = 0.01, [], []
+    for i, (x, y) in enumerate(data):
+        feeds = {**params, **state, "x": x.numpy(), "y": y.numpy(),
+                 "loss_seed": np.array(1.0, dtype=np.float32)}
+        feeds = {k: v for k, v in feeds.items() if k in inputs}  # ORT rejects unused inputs
+        outs = dict(zip(names, sess.run(None, feeds), strict=True))
+        if outs["dlspass_isfinite"]:
+            # unscaled gradients equal torch autograd's at the same parameters
+            m, _ = cf.mlp()
+            with torch.no_grad():
+                for k, p in m.named_parameters():
+                    p.copy_(torch.from_numpy(params[k]))
+            m(x, y).backward()
+            for k, p in m.named_parameters():
+                np.testing.assert_allclose(outs[f"grad.{k}.unscaled"], p.grad.numpy(), rtol=1e-5, atol=1e-7)
+                params[k] = params[k] - lr * outs[f"grad.{k}.unscaled"]
+        else:
+            assert i == cf.OVERFLOW_STEP
+        for k in state:
+            if f"{k}.new" in outs:
+                state[k] = outs[f"{k}.new"]
+        scales.append(float(state["dlspass_scaler_loss_scale"]))
+        skipped.append(int(state["dlspass_scaler_num_skipped_steps"]))
+    ref = cf.train_pt2(cf.step_file("mlp", ".pt2", "--no-mixed-precision", "--config", str(cf.dls_yaml())), data)
+    assert scales == ref["scales"] and skipped == ref["skipped"] and skipped[-1] == 1
+    assert cf.max_rel({k: torch.from_numpy(v) for k, v in params.items()}, ref["params"]) < 1e-5
+
+
+def test_onnx_input_without_seed_input_is_refused(tmp_path, capsys):
+    import onnx_ir as ir
+
+    joint, out = tmp_path / "joint.onnx", tmp_path / "dls.onnx"
+    assert cf.cli("export", "cli_factories:mlp", "-o", joint) == 0
+    model = ir.load(str(joint))
+    roles_map = json.loads(model.metadata_props["dlspass_roles"])
+    del roles_map["loss_seed"]
+    model.metadata_props["dlspass_roles"] = json.dumps(roles_map)
+    ir.save(model, str(joint))
+    capsys.readouterr()
+    assert cf.cli("transform", joint, "-o", out) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no backward-seed graph input" in err and not out.exists()
