@@ -72,8 +72,11 @@ def _root() -> None:
 def demo(
     steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 100,
     seed: Annotated[int, typer.Option(help="Seed of the model and the data.")] = 0,
-    out_dir: Annotated[Path | None, typer.Option(
-        "--out-dir", file_okay=False, help="Also write demo_metrics.json here.")] = None,
+    out_dir: Annotated[Path, typer.Option(
+        "--out-dir", file_okay=False,
+        help="Where demo_metrics.json and report.html (inspect report of the graph) go.")] = Path("dlspass-demo"),
+    inductor: Annotated[bool, typer.Option(
+        "--inductor", help="Compile fused inductor kernels (about 2 min of compiling on 2 cores).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     spike: Annotated[list[int] | None, typer.Option(
@@ -81,11 +84,12 @@ def demo(
 ) -> None:
     """Train the bundled TinyGPT on a copy task in emulated cbfloat16 with dynamic loss scaling.
 
-    Every nn.Linear rounds its inputs, outputs and their gradients to cbfloat16; the eager dlspass.GradScaler (cerebras policy) scales the loss, skips overflowing steps and adapts the scale. Prints the start and end loss, the final scale and the skipped steps.
+    The whole step (forward, backward, DLS, Adam) is one graph made by dlspass.compile: every matmul rounds its inputs and outputs to cbfloat16, forward and backward, and the DLS passes scale the loss, skip overflowing steps and adapt the scale in the graph. The same graph then trains a fresh model at scale 1 for comparison. Prints both runs' losses, the final scale and the skipped steps, and writes report.html (an inspect report of the rewritten graph) and demo_metrics.json to --out-dir.
     """  # noqa: E501 - typer keeps a docstring's line breaks in --help
     from .demo import format_summary, run_demo
 
-    result = run_demo(steps=steps, seed=seed, out_dir=out_dir, quiet=quiet, spikes=spike or ())
+    result = run_demo(steps=steps, seed=seed, out_dir=out_dir, quiet=quiet, spikes=spike or (),
+                      backend_compiler="inductor" if inductor else "eager")
     if as_json:
         typer.echo(json.dumps(result))
     else:

@@ -187,10 +187,22 @@ def summarize_file(path: str | Path) -> dict[str, Any]:
     from .export_io import check_input_file
 
     p = check_input_file(path)
-    s = _summarize_pt2(p) if p.suffix == ".pt2" else _summarize_onnx(p)
+    return _report(_summarize_pt2(p) if p.suffix == ".pt2" else _summarize_onnx(p), str(p))
+
+
+def summarize_graph(gm: Any, *, name: str = "graph") -> dict[str, Any]:
+    """The inspect report of an in-memory rewritten FX GraphModule (``file`` is ``name``)."""
+    from .passes import recorded_config
+
+    cfg = recorded_config(gm)
+    meta = {"config": cfg.to_dict() if cfg is not None else None}
+    return _report({"file_format": "pt2", "kind": "step", "meta": meta, **_summarize_fx(gm)}, name)
+
+
+def _report(s: dict[str, Any], file: str) -> dict[str, Any]:
     meta = s["meta"]
     return {
-        "schema": SCHEMA_ID, "file": str(p), "file_format": s["file_format"], "kind": s["kind"],
+        "schema": SCHEMA_ID, "file": file, "file_format": s["file_format"], "kind": s["kind"],
         "config": meta.get("config"), "optimizer": meta.get("optimizer"),
         "precision_mode": meta.get("precision_mode"),
         "node_count": sum(1 for n in s["nodes"] if n["op"] in ("call_function", "node")),

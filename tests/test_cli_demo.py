@@ -27,10 +27,10 @@ def _cli_cmd() -> list[str]:
     return [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "dlspass.cli"]
 
 
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: float = 180, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "100"}
     env.pop("DLSPASS_DEBUG", None)
-    return subprocess.run([*_cli_cmd(), *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([*_cli_cmd(), *args], capture_output=True, text=True, cwd=cwd,
                           stdin=subprocess.DEVNULL, timeout=timeout, env=env)
 
 
@@ -53,8 +53,8 @@ def test_module_entry_point_help():
     assert "--steps" in res.stdout and "--out-dir" in res.stdout
 
 
-def test_demo_20_steps_loss_drops_no_terminal():
-    res = _run("demo", "--steps", "20")
+def test_demo_20_steps_loss_drops_no_terminal(tmp_path):
+    res = _run("demo", "--steps", "20", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     out = res.stdout
     start = float(re.search(r"start loss\s+([0-9.]+)", out).group(1))
@@ -117,6 +117,11 @@ def test_demo_json_and_out_dir(tmp_path, capsys):
     assert result["steps"] == 3 and len(result["losses"]) == 3
     on_disk = json.loads((out_dir / "demo_metrics.json").read_text())
     assert on_disk == result
+    assert result["graph_breaks"] == 0
+    # the same compiled graph ran the unscaled comparison at scale 1
+    assert len(result["unscaled"]["losses"]) == 3 and result["unscaled"]["skipped_steps"] == 0
+    html = (out_dir / "report.html").read_text()
+    assert "<svg" in html and "scaled_seed" in html and "guard" in html
 
 
 class _Boom(Exception):
