@@ -1,0 +1,341 @@
+"""Fault injection: force inf/NaN into a named gradient, activation or the loss at chosen steps.
+
+A `Fault` says *when* (the 0-based step index), *where* (``kind`` and ``target``) and *what*
+(a non-finite ``value``). The same schedule drives three kinds of step:
+
+- eager training: `EagerFaultInjector` puts hooks on the model (a tensor hook on a parameter
+  for its gradient, a forward hook on a module for its output) and multiplies the loss by the
+  value through ``injector.loss(loss)``; the step index is a host int, so no sync is added;
+- captured steps (`dlspass.capture_step`): `inject_faults` is a graph pass on the role-tagged
+  step graph. It adds one placeholder, the step counter (0-d int64, role ``input``, target
+  ``fault_step``), and for each faulted node inserts ``where(fault_step == k, value, x)`` and
+  re-points every user of ``x`` at it. Gradients are the ``grad`` nodes of the parameter; the
+  loss is the backward seed (the captured backward starts from ``ones_like(loss)``, so faulting
+  the loss value alone would change nothing downstream; faulting the seed is what ``loss * inf``
+  does in eager); activations are nodes named as in ``graph_module.graph``;
+- compiled steps: `install_faults(step, faults, compile=True)` compiles the injected graph with
+  inductor, the step counter being an ordinary graph input (no recompilation per step); a step
+  compiled by ``dlspass.compile`` takes loss faults through a tensor argument
+  (`loss_multiplier`).
+
+A fault whose value cannot reach the gradients is not an overflow (``-inf`` into the input of
+a ReLU becomes 0); use ``inf`` or ``nan`` for activations.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from . import roles
+
+FAULT = "fault"  # role of the nodes inject_faults inserts
+FAULT_STEP = "fault_step"  # target of the step-counter placeholder
+KINDS = ("grad", "activation", "loss")
+VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+class FaultError(ValueError):
+    """A fault names something that does not exist or is not a fault (the message says which)."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Force ``value`` into ``target`` at step ``step`` (0-based).
+
+    ``kind``: ``"grad"`` (target: a parameter name), ``"activation"`` (target: a module name in
+    eager, a node name in a captured graph) or ``"loss"`` (no target).
+    """
+
+    step: int
+    kind: str
+    target: str | None = None
+    value: float = math.inf
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise FaultError(f"fault step: expected an integer >= 0, got {self.step!r}")
+        if self.kind not in KINDS:
+            raise FaultError(f"fault kind: expected one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind == "loss" and self.target is not None:
+            raise FaultError(f"a loss fault takes no target, got {self.target!r}")
+        if self.kind != "loss" and not self.target:
+            raise FaultError(f"a {self.kind} fault needs a target name")
+        if not isinstance(self.value, (int, float)) or math.isfinite(self.value):
+            raise FaultError(f"fault value: expected inf, -inf or nan, got {self.value!r}")
+
+    def __str__(self) -> str:
+        v = "nan" if math.isnan(self.value) else ("inf" if self.value > 0 else "-inf")
+        return f"{self.step}:{self.kind}:{self.target or ''}:{v}"
+
+
+def parse_fault(spec: str) -> Fault:
+    """``"STEP:KIND[:TARGET][:VALUE]"``, e.g. ``"12:grad:fc1.weight:nan"``, ``"5:loss"``."""
+    parts = spec.split(":")
+    if len(parts) < 2:
+        raise FaultError(f"fault {spec!r}: expected STEP:KIND[:TARGET][:VALUE]")
+    try:
+        step = int(parts[0])
+    except ValueError:
+        raise FaultError(f"fault {spec!r}: step {parts[0]!r} is not an integer") from None
+    kind, rest = parts[1], parts[2:]
+    value = math.inf
+    if rest and rest[-1] in VALUES:
+        value = VALUES[rest.pop()]
+    target = ":".join(rest) or None
+    return Fault(step, kind, target, value)
+
+
+def random_faults(steps: int, rate: float, grads: Sequence[str] = (),
+                  activations: Sequence[str] = (), loss: bool = True,
+                  seed: int = 0) -> list[Fault]:
+    """A random schedule: each step is faulted with probability ``rate``, at one random place.
+
+    Gradient and loss faults take inf, -inf or NaN; activation faults inf or NaN (see the
+    module docstring).
+    """
+    if not 0.0 <= rate <= 1.0:
+        raise FaultError(f"rate: expected a probability in [0, 1], got {rate!r}")
+    places: list[tuple[str, str | None]] = [("grad", g) for g in grads]
+    places += [("activation", a) for a in activations]
+    if loss:
+        places.append(("loss", None))
+    if not places:
+        raise FaultError("random_faults: nothing to fault (no gradients, activations or loss)")
+    rng = random.Random(seed)
+    out = []
+    for k in range(steps):
+        if rng.random() < rate:
+            kind, target = rng.choice(places)
+            vals = [math.inf, math.nan] if kind == "activation" else [math.inf, -math.inf, math.nan]
+            out.append(Fault(k, kind, target, rng.choice(vals)))
+    return out
+
+
+def faulted_steps(faults: Iterable[Fault]) -> set[int]:
+    """The step indices at which at least one fault fires."""
+    return {f.step for f in faults}
+
+
+def loss_multiplier(faults: Iterable[Fault], step: int) -> Tensor:
+    """A 0-d float32 tensor: the value of the loss fault at ``step``, else 1.0.
+
+    For steps that take it as an input and return ``loss * multiplier`` - the way to fault a
+    step compiled by ``dlspass.compile`` without a hook (the tensor is a graph input, so
+    changing it does not recompile).
+    """
+    for f in faults:
+        if f.kind == "loss" and f.step == step:
+            return torch.tensor(f.value, dtype=torch.float32)
+    return torch.tensor(1.0, dtype=torch.float32)
+
+
+# ---- eager ------------------------------------------------------------------------------------
+class EagerFaultInjector:
+    """Hooks that fire ``faults`` on ``model`` in eager training.
+
+    Set ``injector.step`` (or call ``next_step()``) once per iteration and route the loss
+    through ``injector.loss(loss)`` before scaling it. Use as a context manager, or call
+    ``remove()``, to take the hooks off.
+
+    Example:
+        >>> inj = EagerFaultInjector(model, [Fault(3, "grad", "fc1.weight")])  # doctest: +SKIP
+        >>> for k, batch in enumerate(data):                                     # doctest: +SKIP
+        ...     inj.step = k
+        ...     scaler.scale(inj.loss(loss_fn(model, batch))).backward()
+    """
+
+    def __init__(self, model: nn.Module, faults: Iterable[Fault]) -> None:
+        self.faults = list(faults)
+        self.step = 0
+        self.fired: list[Fault] = []
+        params = dict(model.named_parameters())
+        modules = dict(model.named_modules())
+        self._by_place: dict[tuple[str, str | None], dict[int, float]] = {}
+        for f in self.faults:
+            if f.kind == "grad" and f.target not in params:
+                raise FaultError(f"grad fault: model has no parameter {f.target!r}")
+            if f.kind == "activation" and f.target not in modules:
+                raise FaultError(f"activation fault: model has no module {f.target!r}")
+            self._by_place.setdefault((f.kind, f.target), {})[f.step] = f.value
+        self._handles: list[Any] = []
+        for (kind, target), _ in self._by_place.items():
+            if kind == "grad":
+                self._handles.append(params[target].register_hook(self._grad_hook(target)))
+            elif kind == "activation":
+                self._handles.append(modules[target].register_forward_hook(self._act_hook(target)))
+
+    def _value(self, kind: str, target: str | None) -> float | None:
+        return self._by_place.get((kind, target), {}).get(self.step)
+
+    def _fire(self, kind: str, target: str | None, value: float) -> None:
+        self.fired.append(Fault(self.step, kind, target, value))
+
+    def _grad_hook(self, name: str) -> Any:
+        def hook(grad: Tensor) -> Tensor | None:
+            v = self._value("grad", name)
+            if v is None:
+                return None
+            self._fire("grad", name, v)
+            return torch.full_like(grad, v)
+
+        return hook
+
+    def _act_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            v = self._value("activation", name)
+            if v is None:
+                return None
+            if not isinstance(output, Tensor):
+                raise FaultError(f"activation fault: module {name!r} does not return one tensor")
+            self._fire("activation", name, v)
+            # the value becomes v, the backward sees the layer as if it had produced v (as in
+            # a captured graph, whose backward reads the faulted activation)
+            return output + (torch.full_like(output, v) - output).detach()
+
+        return hook
+
+    def loss(self, loss: Tensor) -> Tensor:
+        """``loss`` times the fault value at a faulted step (so its gradients are inf/NaN too)."""
+        v = self._value("loss", None)
+        if v is None:
+            return loss
+        self._fire("loss", None, v)
+        return loss * v
+
+    def next_step(self) -> None:
+        """Advance the step index by one."""
+        self.step += 1
+
+    def remove(self) -> None:
+        """Take every hook off the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> EagerFaultInjector:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+# ---- captured graphs --------------------------------------------------------------------------
+def _fault_nodes(graph: fx.Graph, fault: Fault) -> list[fx.Node]:
+    if fault.kind == "loss":
+        # the seed drives the backward; the loss node only makes the returned loss show it
+        return [roles.the_node(graph, roles.SEED), roles.the_node(graph, roles.LOSS)]
+    if fault.kind == "grad":
+        found = [n for n in roles.nodes_with_role(graph, roles.GRAD)
+                 if roles.target_of(n) == fault.target]
+        if len(found) != 1:
+            names = sorted(str(roles.target_of(n)) for n in roles.nodes_with_role(graph, roles.GRAD))
+            raise FaultError(f"grad fault: the graph has no gradient of {fault.target!r} "
+                             f"(gradients: {', '.join(names)})")
+        return found
+    for n in graph.nodes:
+        if n.name == fault.target and n.op == "call_function":
+            return [n]
+    raise FaultError(f"activation fault: the graph has no computed node named {fault.target!r}")
+
+
+def inject_faults(gm: fx.GraphModule, faults: Iterable[Fault]) -> fx.GraphModule:
+    """Rewrite the step graph ``gm`` in place so that ``faults`` fire; returns ``gm``.
+
+    Adds the step-counter placeholder (0-d int64, appended after every other input) and, per
+    faulted node, ``where(fault_step == k, value, x)`` for each of its faulted steps. The graph
+    then takes one input more: the index of the step being run.
+    """
+    graph = gm.graph
+    faults = list(faults)
+    if any(roles.role_of(n) == roles.INPUT and roles.target_of(n) == FAULT_STEP
+           for n in graph.find_nodes(op="placeholder")):
+        raise FaultError("inject_faults: this graph already has faults injected")
+    targets = [(f, n) for f in faults for n in _fault_nodes(graph, f)]
+    last_ph = list(graph.find_nodes(op="placeholder"))[-1]
+    with graph.inserting_after(last_ph):
+        counter = graph.placeholder(FAULT_STEP)
+    roles.set_role(counter, roles.INPUT, FAULT_STEP)
+    counter.meta["val"] = torch.zeros((), dtype=torch.int64)
+    by_node: dict[fx.Node, list[Fault]] = {}
+    for f, node in targets:
+        by_node.setdefault(node, []).append(f)
+    for node, fs in by_node.items():
+        users = list(node.users)
+        cur = anchor = node
+        for f in sorted(fs, key=lambda f: f.step):
+            with graph.inserting_after(anchor):
+                eq = graph.call_function(torch.ops.aten.eq.Scalar, (counter, f.step))
+            with graph.inserting_after(eq):
+                cur = graph.call_function(torch.ops.aten.where.ScalarSelf, (eq, f.value, cur))
+            for n in (eq, cur):
+                roles.set_role(n, FAULT, f.target or "loss", by_pass="inject_faults")
+            cur.meta["val"] = node.meta.get("val")
+            anchor = cur
+        for u in users:
+            u.replace_input_with(node, cur)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+class FaultSchedule:
+    """What `install_faults` returns: the faults, the injected graph and a way to undo it.
+
+    ``enabled = False`` runs the same (possibly compiled) code with a step counter of -1, which
+    no fault matches: the fault-free reference of exactly the same kernels.
+    """
+
+    def __init__(self, step: Any, faults: list[Fault], gm: fx.GraphModule, previous: Any) -> None:
+        self.step = step
+        self.faults = faults
+        self.graph_module = gm
+        self._previous = previous
+        self.enabled = True
+
+    @property
+    def faulted_steps(self) -> set[int]:
+        return faulted_steps(self.faults)
+
+    def remove(self) -> None:
+        """Run the un-faulted graph again."""
+        self.step._runner = self._previous
+
+
+def install_faults(step: Any, faults: Iterable[Fault], *, compile: bool = False) -> FaultSchedule:
+    """Make a `dlspass.CapturedStep` fire ``faults``; its call count is the step index.
+
+    The step's own graph is not changed: a copy is injected (and compiled by inductor with
+    ``compile=True``) and replaces the runner; ``schedule.remove()`` restores it.
+    """
+    from .capture.functional import _inductor
+
+    faults = list(faults)
+    gm = inject_faults(copy.deepcopy(step.graph_module), faults)
+    runner: Any = gm
+    if compile:
+        runner = _inductor(gm, [*_example_inputs(step), torch.zeros((), dtype=torch.int64)])
+    previous = step._runner
+
+    def run(*flat: Tensor) -> Any:
+        k = step.num_calls if schedule.enabled else -1
+        return runner(*flat, torch.tensor(k, dtype=torch.int64))
+
+    schedule = FaultSchedule(step, faults, gm, previous)
+    step._runner = run
+    return schedule
+
+
+def _example_inputs(step: Any) -> list[Tensor]:
+    fake_batch = [torch.zeros(ph.meta["val"].shape, dtype=ph.meta["val"].dtype)
+                  for ph in step.graph_module.graph.find_nodes(op="placeholder")
+                  if roles.role_of(ph) == roles.INPUT]
+    return step._inputs_for(fake_batch)
