@@ -96,7 +96,7 @@ class OptimizerSpec:
 def quiet_torch() -> Iterator[None]:
     """Silence torch's loggers and warnings (``torch.export.load`` logs a traceback before raising)."""
     names = ["torch", "torch.export", "torch._export", "torch._export.serde.serialize",
-             "torch.export._trace", "torch._dynamo", "torch.onnx", "onnxscript"]
+             "torch.export._trace", "torch._dynamo", "torch.onnx", "onnxscript", "onnx_ir"]
     saved = {n: logging.getLogger(n).level for n in names}
     ctx = warnings.catch_warnings()
     try:

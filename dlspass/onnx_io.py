@@ -210,7 +210,27 @@ def load_onnx(path: str | Path) -> Any:
         raise InputError(f"{p}: cannot read the ONNX model ({type(e).__name__}: {first[:200]})") from None
     if not model.graph.outputs:
         raise InputError(f"{p}: the ONNX model has no outputs")
+    _check_wellformed(model, p)
     return model
+
+
+def _check_wellformed(model: Any, p: Path) -> None:
+    """Reject what a damaged file can still parse into: names that are not text (bytes that
+    are not UTF-8) and values that no input, initializer or node defines."""
+    defined = {v.name for v in model.graph.inputs} | set(model.graph.initializers)
+    for node in model.graph:
+        for field in (node.name, node.op_type, node.domain):
+            if field is not None and not isinstance(field, str):
+                raise InputError(f"{p}: invalid ONNX model (a node name or op type is not UTF-8 text)")
+        for v in node.inputs:
+            if v is None:
+                continue
+            if not isinstance(v.name, str):
+                raise InputError(f"{p}: invalid ONNX model (a value name is not UTF-8 text)")
+            if v.producer() is None and v.name not in defined and not v.is_initializer():
+                raise InputError(f"{p}: invalid ONNX model (node {node.name!r} reads {v.name!r}, "
+                                 "which nothing defines)")
+        defined.update(o.name for o in node.outputs)
 
 
 def onnx_meta(model: Any) -> dict[str, Any] | None:
