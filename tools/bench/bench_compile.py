@@ -85,6 +85,17 @@ def _time(step: Callable, batch: tuple[torch.Tensor, torch.Tensor], steps: int) 
     return (time.perf_counter() - t0) / steps
 
 
+def _cold_cache() -> None:
+    """Compile times are cold-cache times: a fresh inductor cache and no FX graph cache."""
+    import tempfile
+
+    import torch._inductor.config as inductor_config
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dlspass-bench-inductor-")
+    inductor_config.fx_graph_cache = False
+    inductor_config.autotune_local_cache = False
+
+
 def run(repeats: int = 15, steps: int = 3) -> dict[str, dict[str, float]]:
     """Compile each configuration (timing it and counting graph breaks), then time them interleaved."""
     batch = copy_task_batch(64, 16, 64, torch.Generator().manual_seed(0))
@@ -149,6 +160,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed sample")
     args = parser.parse_args(argv)
+    _cold_cache()
     command = "python tools/bench/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = report(run(args.repeats, args.steps), command.strip(), args.repeats, args.steps)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

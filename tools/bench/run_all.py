@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 fn = _load(name).main
                 # benchmarks with their own flags get none: run_all's argv is not theirs
-                fn([]) if inspect.signature(fn).parameters else fn()
+                fn([]) if "argv" in inspect.signature(fn).parameters else fn()
             except Exception as e:  # one failing benchmark must not hide the others
                 out.parent.mkdir(exist_ok=True)
                 out.write_text(f"## {name}\n\nFAILED to run: {type(e).__name__}: {e}\n")
