@@ -18,6 +18,11 @@ purpose), so while the compiled step runs:
    clipping, ``where``-guarded updates (a skipped step leaves parameters and optimizer state
    bit-identical, with no clones) and the scale update, all on device with no host sync; the
    graph then goes to inductor (or runs as is with ``backend_compiler="eager"``).
+
+Hooks on that AOT graph: ``graph_passes`` run between tagging and ``apply_dls`` and may add
+inputs that the step feeds at every call (``CompiledStep.extra_inputs``; fault injection uses
+this), and ``process_group`` makes the graph one data-parallel step (gradient all-reduce before
+DLS, overflow-flag all-reduce after it).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -313,16 +318,48 @@ def tag_aot_graph(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _make_fw_compiler(config: DLSConfig, backend_compiler: str, graphs: list[fx.GraphModule]):
+def _make_fw_compiler(step: CompiledStep):
     from dlspass.passes import apply_dls
 
     from . import dynamo_backend
 
     def fw_compiler(gm: fx.GraphModule, example_inputs: list[Any]):
         tag_aot_graph(gm)
-        gm = apply_dls(gm, config)
-        graphs.append(gm)
-        return dynamo_backend.finish(gm, example_inputs, backend_compiler)
+        n_inputs = len(gm.graph.find_nodes(op="placeholder"))
+        for graph_pass in step.graph_passes:
+            graph_pass(gm)
+        if step.process_group is not None:
+            from .distributed import insert_grad_allreduce
+
+            # before apply_dls: DLS unscales and checks the averaged gradients
+            insert_grad_allreduce(gm, step.process_group)
+        gm = apply_dls(gm, step.config)
+        if step.process_group is not None and step.config.dynamic:
+            from .distributed import insert_flag_allreduce
+
+            insert_flag_allreduce(gm, step.process_group)
+        extra = [roles.target_of(n) for n in gm.graph.find_nodes(op="placeholder")[n_inputs:]]
+        missing = [t for t in extra if t not in step.extra_inputs]
+        if missing:
+            raise CompileError(f"a graph pass added input(s) {missing} that CompiledStep.extra_inputs "
+                               f"does not provide (it provides: {sorted(step.extra_inputs)})")
+        step.graphs.append(gm)
+        if not extra:
+            return dynamo_backend.finish(gm, example_inputs, step.backend_compiler)
+        providers = [step.extra_inputs[t] for t in extra]
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        extra_examples = [p() for p in providers]
+        if fake_mode is not None:
+            extra_examples = [fake_mode.from_tensor(t) for t in extra_examples]
+        compiled = dynamo_backend.finish(gm, [*example_inputs, *extra_examples], step.backend_compiler)
+
+        # the extra inputs are read when the graph runs, so changing them never recompiles
+        def run(args: list[Any]) -> Any:
+            args = [*args, *(p() for p in providers)]
+            return compiled(args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
 
     return fw_compiler
 
@@ -330,10 +367,26 @@ def _make_fw_compiler(config: DLSConfig, backend_compiler: str, graphs: list[fx.
 # ---- public entry point ----------------------------------------------------------------------
 
 class CompiledStep:
-    """The callable ``dlspass.compile`` returns: call it like the original step."""
+    """The callable ``dlspass.compile`` returns: call it like the original step.
+
+    Hooks on the AOT graph (both read when the step is first called, which compiles it):
+
+    - ``graph_passes``: callables ``pass(gm)`` that rewrite the role-tagged AOT step graph in
+      place, after ``tag_aot_graph`` and before ``apply_dls`` (``dlspass.faults`` uses one);
+    - ``extra_inputs``: ``{target: provider}``. A pass may append placeholders (role
+      ``input``, ``dlspass_target`` = target); the graph then gets ``provider()`` (a tensor on
+      the parameters' device) for each of them at every call, so their values change without
+      recompiling.
+
+    ``num_calls`` counts the calls (a step index for the providers; it is advanced before the
+    graph runs). With ``process_group`` the graph averages gradients over the group and agrees
+    on the overflow flag (see `compile`).
+    """
 
     def __init__(self, fn: Callable, optimizer: torch.optim.Optimizer, scaler: Any,
-                 config: DLSConfig, backend_compiler: str) -> None:
+                 config: DLSConfig, backend_compiler: str,
+                 graph_passes: Sequence[Callable[[fx.GraphModule], None]] = (),
+                 process_group: Any = None, broadcast_params: bool = True) -> None:
         kind = _check_optimizer(optimizer)
         _materialize_state(optimizer, kind)
         names = {}
@@ -346,17 +399,47 @@ class CompiledStep:
         self.config = config
         self.backend_compiler = backend_compiler
         self.graphs: list[fx.GraphModule] = []  # the rewritten AOT graphs, for inspection
+        self.graph_passes: list[Callable[[fx.GraphModule], None]] = list(graph_passes)
+        self.extra_inputs: dict[str, Callable[[], Tensor]] = {}
+        self.num_calls = 0
+        self.process_group = _resolve_process_group(process_group)
+        self._broadcast_pending = broadcast_params and self.process_group is not None
+        self._names = names
         self._ctx = _StepContext(optimizer, kind, scaler, config, names)
         from torch._dynamo.backends.common import aot_autograd
 
-        backend = aot_autograd(fw_compiler=_make_fw_compiler(config, backend_compiler, self.graphs))
+        backend = aot_autograd(fw_compiler=_make_fw_compiler(self))
         self._compiled = torch.compile(fn, backend=backend, fullgraph=True)
         functools.update_wrapper(self, fn)
         self.__signature__ = inspect.signature(fn)
 
+    def graph_targets(self, model: torch.nn.Module | None = None) -> dict[str, str]:
+        """``{name: GRAD/PARAM target in the graph}`` for the optimizer's parameters.
+
+        Graph targets are ``group{i}.param{j}``; with ``model`` the keys are the model's
+        parameter names (``fc1.weight``), for parameters the optimizer updates.
+        """
+        if model is None:
+            return {t: t for t in self._names.values()}
+        return {n: self._names[id(p)] for n, p in model.named_parameters() if id(p) in self._names}
+
+    def _broadcast(self) -> None:
+        import torch.distributed as dist
+
+        group = self.process_group
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for g in self.optimizer.param_groups:
+                for p in g["params"]:
+                    dist.broadcast(p.data, src=src, group=group)
+        self._broadcast_pending = False
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         opt = self.optimizer
+        if self._broadcast_pending:
+            self._broadcast()
         self._ctx.refresh()
+        self.num_calls += 1
         had = {k: opt.__dict__[k] for k in ("step", "zero_grad") if k in opt.__dict__}
         opt.step = self._ctx.step
         opt.zero_grad = self._ctx.zero_grad
@@ -378,6 +461,20 @@ class CompiledStep:
                     opt.__dict__.pop(k, None)
 
 
+def _resolve_process_group(process_group: Any) -> Any:
+    """The group to average over, or None; a group needs an initialised torch.distributed."""
+    if process_group is None:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("process_group: torch.distributed is not initialised "
+                          "(call torch.distributed.init_process_group first)")
+    if process_group is True:
+        return dist.group.WORLD
+    return process_group
+
+
 def compile(  # noqa: A001 - the public verb is dlspass.compile
     fn: Callable,
     *,
@@ -387,6 +484,9 @@ def compile(  # noqa: A001 - the public verb is dlspass.compile
     mixed_precision: bool | None = None,
     max_gradient_norm: float | None = None,
     backend_compiler: str = "inductor",
+    graph_passes: Sequence[Callable[[fx.GraphModule], None]] = (),
+    process_group: Any = None,
+    broadcast_params: bool = True,
 ) -> CompiledStep:
     """Compile a whole eager training step (forward, backward, optimizer, DLS) as one graph.
 
@@ -395,6 +495,20 @@ def compile(  # noqa: A001 - the public verb is dlspass.compile
     ``scaler.state`` are updated in place on every call; on overflow the step is skipped.
     ``mixed_precision=False`` keeps the step in float32 (DLS without lowering).
     ``backend_compiler="eager"`` runs the rewritten graph without inductor (fast, for tests).
+
+    ``graph_passes``: rewrites of the role-tagged AOT step graph run before ``apply_dls``
+    (see `CompiledStep`; ``dlspass.faults.install_faults`` adds one).
+
+    Data parallelism: with ``process_group`` (a ``torch.distributed`` group, or ``True`` for
+    the world) every rank runs the step on its own batch shard and the one compiled graph also
+    averages the gradients over the group (``insert_grad_allreduce``, one bucketed functional
+    all-reduce per dtype, before DLS unscales and checks them) and, for a dynamic scale,
+    all-reduces the overflow flag (``insert_flag_allreduce``), so all ranks skip together and
+    keep identical parameters and scaler state, with no graph break and no host sync. Do not
+    wrap the model in DDP (the step's single-graph backward bypasses DDP's hooks). With
+    ``broadcast_params`` (default) the first call copies the optimizer's parameters from the
+    group's first rank to the others, as DDP does at construction; buffers and optimizer state
+    are not broadcast, so they must start identical (e.g. the same seed).
 
     Example:
         >>> step = dlspass.compile(train_step, optimizer=opt, scaler=dlspass.GradScaler())
@@ -412,4 +526,9 @@ def compile(  # noqa: A001 - the public verb is dlspass.compile
             f"supported: {', '.join(SUPPORTED_OPTIMIZERS)}"
         )
     config = resolve_config(scaler, fp16_type, mixed_precision, max_gradient_norm)
-    return CompiledStep(fn, optimizer, scaler, config, backend_compiler)
+    passes = list(graph_passes)
+    bad = [p for p in passes if not callable(p)]
+    if bad:
+        raise ConfigError(f"graph_passes: expected callables taking a GraphModule, got {bad[0]!r}")
+    return CompiledStep(fn, optimizer, scaler, config, backend_compiler, passes,
+                        process_group, broadcast_params)

@@ -14,9 +14,16 @@ A `Fault` says *when* (the 0-based step index), *where* (``kind`` and ``target``
   the loss value alone would change nothing downstream; faulting the seed is what ``loss * inf``
   does in eager); activations are nodes named as in ``graph_module.graph``;
 - compiled steps: `install_faults(step, faults, compile=True)` compiles the injected graph with
-  inductor, the step counter being an ordinary graph input (no recompilation per step); a step
-  compiled by ``dlspass.compile`` takes loss faults through a tensor argument
-  (`loss_multiplier`).
+  inductor, the step counter being an ordinary graph input (no recompilation per step);
+- steps compiled by ``dlspass.compile``: `install_faults(step, faults)` (before the step's
+  first call) adds `compiled_fault_pass` to the step's ``graph_passes``: the same injection on
+  the AOT step graph, before ``apply_dls``, whose ``fault_step`` placeholder the step feeds
+  from ``step.extra_inputs`` (its call index) at every call; no graph break, no recompilation.
+  Gradient targets are the step's graph names (``group0.param1``) or, with ``model=``, the
+  model's parameter names; activation targets are node names of the AOT graph (see
+  ``step.graphs``). A faulted gradient's last ``where`` takes over its GRAD role, so the DLS
+  passes unscale and check the faulted value. Loss faults can also go through a tensor
+  argument (`loss_multiplier`).
 
 A fault whose value cannot reach the gradients is not an overflow (``-inf`` into the input of
 a ReLU becomes 0); use ``inf`` or ``nan`` for activations.
@@ -25,9 +32,10 @@ a ReLU becomes 0); use ``inf`` or ``nan`` for activations.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,15 +318,25 @@ class FaultSchedule:
         self.step._runner = self._previous
 
 
-def install_faults(step: Any, faults: Iterable[Fault], *, compile: bool = False) -> FaultSchedule:
-    """Make a `dlspass.CapturedStep` fire ``faults``; its call count is the step index.
+def install_faults(step: Any, faults: Iterable[Fault], *, compile: bool = False,
+                   model: nn.Module | None = None) -> FaultSchedule:
+    """Make a `dlspass.CapturedStep` or a ``dlspass.compile`` step fire ``faults``.
 
-    The step's own graph is not changed: a copy is injected (and compiled by inductor with
-    ``compile=True``) and replaces the runner; ``schedule.remove()`` restores it.
+    The step's call count is the step index (0 for the first call after installing).
+    CapturedStep: the step's own graph is not changed: a copy is injected (and compiled by
+    inductor with ``compile=True``) and replaces the runner; ``schedule.remove()`` restores it.
+    ``dlspass.compile`` step (`CompiledStep`): install before its first call (the injection
+    becomes part of its one graph); ``compile`` is ignored (the step has its own backend),
+    ``model`` lets gradient faults name the model's parameters, ``schedule.remove()`` disables
+    the faults.
     """
-    from .capture.functional import _inductor
+    from .compile_step import CompiledStep
 
     faults = list(faults)
+    if isinstance(step, CompiledStep):
+        return _install_compiled(step, faults, model)
+    from .capture.functional import _inductor
+
     gm = inject_faults(copy.deepcopy(step.graph_module), faults)
     runner: Any = gm
     if compile:
@@ -339,3 +357,96 @@ def _example_inputs(step: Any) -> list[Tensor]:
                   for ph in step.graph_module.graph.find_nodes(op="placeholder")
                   if roles.role_of(ph) == roles.INPUT]
     return step._inputs_for(fake_batch)
+
+
+# ---- dlspass.compile steps ---------------------------------------------------------------------
+PRE_FAULT_GRAD = "pre_fault_grad"  # role of a gradient as backward made it, before its fault
+
+
+def compiled_fault_pass(faults: Iterable[Fault],
+                        names: dict[str, str] | None = None) -> Callable[[fx.GraphModule], None]:
+    """A ``dlspass.compile`` graph pass (``graph_passes=``) that injects ``faults``.
+
+    Runs `inject_faults` on the role-tagged AOT graph (before ``apply_dls``), so the graph gets
+    a ``fault_step`` input the step must provide (``step.extra_inputs["fault_step"]``; see
+    `install_faults`, which does both). ``names`` maps gradient fault targets to graph GRAD
+    targets. Each faulted gradient's last ``where`` becomes the GRAD node, its original node is
+    re-tagged ``pre_fault_grad``: the overflow check then sees the fault.
+    """
+    faults = [dataclasses.replace(f, target=names.get(f.target, f.target))
+              if f.kind == "grad" and names else f for f in faults]
+
+    def run(gm: fx.GraphModule) -> None:
+        graph = gm.graph
+        grads = {roles.target_of(n): n for n in roles.nodes_with_role(graph, roles.GRAD)}
+        if any(f.kind == "loss" for f in faults) and not roles.nodes_with_role(graph, roles.LOSS):
+            # the AOT graph records the loss only as an output position; tag the value so a
+            # loss fault also shows in the returned loss, as in eager
+            _, loss = roles.output_value(graph, roles.LOSS)
+            if loss.op != "call_function" or roles.role_of(loss) is not None:
+                raise FaultError("loss fault: the step's returned loss is not a computed node")
+            roles.set_role(loss, roles.LOSS)
+        vals = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
+        inject_faults(gm, faults)
+        _fake_values(graph, vals)
+        for target in sorted({f.target for f in faults if f.kind == "grad"}):
+            node = cur = grads[target]
+            while True:
+                nxt = [u for u in cur.users if roles.role_of(u) == FAULT
+                       and u.target is torch.ops.aten.where.ScalarSelf]
+                if not nxt:
+                    break
+                cur = nxt[0]
+            roles.set_role(node, PRE_FAULT_GRAD, target)
+            roles.set_role(cur, roles.GRAD, target)
+        gm.recompile()
+
+    return run
+
+
+def _fake_values(graph: fx.Graph, vals: list[Any]) -> None:
+    """Give the nodes inject_faults added fake values like the rest of the AOT graph's."""
+    fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, Tensor)])
+    device = next((v.device for v in vals if isinstance(v, Tensor)), torch.device("cpu"))
+
+    def fake(dtype: torch.dtype) -> Tensor:
+        t = torch.zeros((), dtype=dtype, device=device)
+        return fake_mode.from_tensor(t) if fake_mode is not None else t
+
+    for n in graph.nodes:
+        if n.op == "placeholder" and roles.target_of(n) == FAULT_STEP:
+            n.meta["val"] = fake(torch.int64)
+        elif roles.role_of(n) == FAULT and n.target is torch.ops.aten.eq.Scalar:
+            n.meta["val"] = fake(torch.bool)
+
+
+class _CompiledFaultSchedule(FaultSchedule):
+    def remove(self) -> None:
+        """Disable the faults (they are part of the step's one graph)."""
+        self.enabled = False
+
+
+def _install_compiled(step: Any, faults: list[Fault], model: nn.Module | None) -> FaultSchedule:
+    if step.graphs:
+        raise FaultError("install_faults: this dlspass.compile step was already called (and "
+                         "compiled); install faults before its first call")
+    if FAULT_STEP in step.extra_inputs:
+        raise FaultError("install_faults: this step already has faults installed")
+    names = step.graph_targets(model)
+    for f in faults:
+        if f.kind == "grad" and f.target not in names:
+            raise FaultError(f"grad fault: the step has no parameter {f.target!r} "
+                             f"(parameters: {', '.join(sorted(names))})")
+    device = next((p.device for g in step.optimizer.param_groups for p in g["params"]),
+                  torch.device("cpu"))
+    first = step.num_calls
+    schedule = _CompiledFaultSchedule(step, faults, None, None)  # type: ignore[arg-type]
+
+    def fault_step() -> Tensor:
+        # num_calls is advanced before the graph runs: the first call after installing is 0
+        k = step.num_calls - 1 - first if schedule.enabled else -1
+        return torch.tensor(k, dtype=torch.int64, device=device)
+
+    step.extra_inputs[FAULT_STEP] = fault_step
+    step.graph_passes.append(compiled_fault_pass(faults, names))
+    return schedule
