@@ -159,6 +159,7 @@ def _summarize_onnx(path: Path) -> dict[str, Any]:
     meta = onnx_meta(model) or {}
     out_roles = json.loads(model.metadata_props.get("dlspass_roles", "{}"))
     nodes, edges, hist = [], [], Counter()
+    inserted: Counter[str] = Counter()
     producer: dict[str, str] = {}
     for v in model.graph.inputs:
         nodes.append({"id": v.name, "op": "input", "target": "input", "role": None,
@@ -167,6 +168,9 @@ def _summarize_onnx(path: Path) -> dict[str, Any]:
     for i, node in enumerate(model.graph):
         nid = node.name or f"{node.op_type}_{i}"
         hist[node.op_type] += 1
+        by = node.metadata_props.get("dlspass_pass")
+        if by:
+            inserted[by] += 1
         role = target = None
         for o in node.outputs:
             producer[o.name] = nid
@@ -178,7 +182,10 @@ def _summarize_onnx(path: Path) -> dict[str, Any]:
     rows = [{"node": n["id"], "role": n["role"], "target": n["target_entry"], "pass": None}
             for n in nodes if n["role"]]
     return {"file_format": "onnx", "kind": "onnx", "meta": meta, "nodes": nodes, "edges": edges,
-            "roles": rows, "inserted": {}, "casts": {k: v for k, v in hist.items() if k == "Cast"},
+            # one entry per rounded value, by format (a cbfloat16 rounding is ~35 arithmetic
+            # nodes and a float16 one a Cast pair, so node counts would mislead)
+            "roles": rows, "inserted": dict(inserted),
+            "casts": dict(Counter(t for r, t in out_roles.values() if r == roles.CAST)),
             "hist": dict(hist), "region": {"size": 0, "seed": None, "unscale": []}}
 
 

@@ -16,7 +16,12 @@
 
 ONNX *input*: ``joint_to_onnx`` writes a joint program as an ONNX training graph (outputs
 ``loss`` and ``grad.<param>``, the backward seed as the input ``loss_seed``, roles in
-``metadata_props``); ``insert_dls_onnx`` adds DLS to such a graph: seed × scale, then the
+``metadata_props``); ``transform_onnx`` lowers its precision and adds DLS.
+``lower_precision_onnx`` rounds every float input and output of MatMul/Gemm/Conv/ConvTranspose
+(forward and backward) to the 16-bit format in fp32 containers, like the FX
+``LowerPrecisionPass``: ``Cast`` down and up for float16/bfloat16, the exact float-only
+``round_arith`` (exported by torch, spliced per value) for cbfloat16.
+``insert_dls_onnx`` adds DLS to such a graph: seed × scale, then the
 gradients are unscaled, checked and clipped and the scaler state updated by ``dls_tail`` and
 ``update_state`` exported from torch (the same code the FX passes splice in) and grafted onto
 the graph. A constant seed inside a foreign graph cannot be identified post hoc, so the seed
@@ -350,7 +355,9 @@ class _DLSTail(torch.nn.Module):
 
 
 def transform_onnx(src: Path, out: Path, config: Any) -> None:
-    """Insert DLS into an ONNX training graph (see ``insert_dls_onnx``) and save it atomically."""
+    """Lower the precision of an ONNX training graph (``lower_precision_onnx``, when
+    ``config.mixed_precision``) and insert DLS (``insert_dls_onnx``, when ``config.enabled``;
+    bfloat16 gets the casts only), then save it atomically."""
     import onnx
 
     model = load_onnx(src)
@@ -359,8 +366,251 @@ def transform_onnx(src: Path, out: Path, config: Any) -> None:
         raise InputError(f"{src}: already a dlspass training step; transform the original .pt2 instead")
     if not gradient_outputs(model):
         raise InputError(f"{src}: the ONNX model has no gradient outputs (not a training graph)")
-    proto = insert_dls_onnx(onnx.load(str(src)), config, str(src))
+    if not config.mixed_precision and not config.enabled:
+        raise InputError(f"{src}: mixed precision and loss scaling are both off for this config; "
+                         "nothing to insert")
+    proto = onnx.load(str(src))
+    if config.mixed_precision:
+        # before the DLS tail is grafted: the tail's math stays fp32, like the FX pipeline's
+        lower_precision_onnx(proto, config.fp16_type, str(src))
+    if config.enabled:
+        proto = insert_dls_onnx(proto, config, str(src))
+    _check(proto, str(src))
     write_atomic(out, lambda tmp: onnx.save(proto, tmp))
+
+
+# ---- ONNX training graph -> 16-bit matmuls and convolutions (fp32 containers) -----------------
+
+LOWERED_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
+"""ONNX ops whose float inputs and outputs are rounded to the 16-bit format (forward and
+backward alike: the training graph's backward matmuls are ordinary MatMul/Gemm/Conv nodes)."""
+
+# Ops whose first output holds only values of their first input (or zero, or a sign flip):
+# a rounded value stays rounded through them, so it is not rounded again.
+_MOVING_OPS = frozenset({"Identity", "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze",
+                         "Expand", "Slice", "Gather", "Split"})
+_PRESERVING_OPS = _MOVING_OPS | {"Relu", "Neg", "MaxPool"}
+# Data movement that keeps every element (a view of the whole value): round its source instead,
+# so that other views of the same source reuse that one rounding.
+_RESHAPING_OPS = frozenset({"Identity", "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+
+CAST_ROLE_KEY = "dlspass_role"
+"""``NodeProto.metadata_props`` key of the nodes dlspass inserted (value: a ``roles`` name)."""
+
+_ONNX_DTYPES = {"float16": 10, "bfloat16": 16}  # TensorProto.FLOAT16 / BFLOAT16
+
+
+def lower_precision_onnx(proto: Any, fmt: str, source: str = "model") -> int:
+    """Round every float32 input and output of MatMul/Gemm/Conv/ConvTranspose in ``proto`` (an
+    ``onnx.ModelProto``, edited in place) to ``fmt``, keeping float32 containers; returns the
+    number of values rounded.
+
+    float16/bfloat16 round with ``Cast(to=16-bit)`` then ``Cast(to=FLOAT)``; cbfloat16 with
+    the float-only ``dlspass.formats.round_arith``, exported once by torch and spliced in. An
+    input already rounded (a rounding's output, possibly through views or ``Relu``) is read as
+    is, and each value is rounded at most once however many ops read it; a view (Transpose,
+    Reshape, ...) of a rounded value is rebuilt from the rounded value, not rounded again. An
+    op's output ``y`` keeps its name on the rounded value (the raw result becomes
+    ``y.unrounded``), so graph outputs and every reader see the rounded value. Inserted nodes carry
+    ``metadata_props[dlspass_role] = "cast"``; the rounded values are tagged ``cast`` in
+    ``metadata_props["dlspass_roles"]`` of the model.
+    """
+    from onnx import helper
+
+    if fmt not in (*_ONNX_DTYPES, "cbfloat16"):
+        raise InputError(f"{source}: cannot lower ONNX precision to {fmt!r} "
+                         "(expected float16, bfloat16 or cbfloat16)")
+    g = proto.graph
+    if any(_node_role(n) == roles.CAST for n in g.node):
+        raise InputError(f"{source}: the ONNX model already has dlspass precision casts")
+    types = _elem_types(proto)
+    targets = [n for n in g.node if n.op_type in LOWERED_OPS and n.domain in ("", "ai.onnx")]
+    if any(v and v not in types for n in targets for v in (*n.input, *n.output)):
+        import onnx
+
+        types = _elem_types(onnx.shape_inference.infer_shapes(proto))
+    producer = {o: n for n in g.node for o in n.output}
+    taken = {*producer, *(v.name for v in g.input), *(t.name for t in g.initializer)}
+    target_ids = {id(n) for n in targets}
+    cast_outputs: set[str] = set()
+    known: dict[str, bool] = {}
+
+    def is_rounded(name: str) -> bool:
+        if name not in known:
+            src = producer.get(name)
+            known[name] = name in cast_outputs or (
+                src is not None and src.op_type in _PRESERVING_OPS and name == src.output[0]
+                and bool(src.input) and is_rounded(src.input[0]))
+        return known[name]
+
+    template = _RoundTemplate(fmt, _opset(proto))
+    rounded: dict[str, str] = {}
+    nodes: list[Any] = []
+
+    def via_view(x: str) -> str | None:
+        """``x`` rebuilt from an already rounded value by a copy of the data movement that
+        made it (the backward's Transpose of a forward weight, say): no second rounding."""
+        if x in rounded:
+            return rounded[x]
+        src = producer.get(x)
+        if src is None or src.op_type not in _MOVING_OPS or not src.input or x not in src.output:
+            return None
+        base = src.input[0] if is_rounded(src.input[0]) else via_view(src.input[0])
+        if base is None:
+            return None
+        from onnx import NodeProto, StringStringEntryProto
+
+        view = NodeProto()
+        view.CopyFrom(src)
+        del view.metadata_props[:]
+        view.metadata_props.append(StringStringEntryProto(key="dlspass_pass", value="lower_precision"))
+        view.name = _fresh(f"dlspass_view/{src.name or src.op_type}", taken)
+        view.input[0] = base
+        for k, o in enumerate(src.output):
+            if o:
+                view.output[k] = _fresh(f"{o}.{fmt}", taken)
+                rounded[o] = view.output[k]
+                known[view.output[k]] = True
+        nodes.append(view)
+        return rounded[x]
+
+    for node in list(g.node):
+        if id(node) not in target_ids:
+            nodes.append(node)
+            continue
+        for k, x in enumerate(node.input):
+            if not x or types.get(x) != 1 or is_rounded(x):  # 1: TensorProto.FLOAT
+                continue
+            if via_view(x) is None:
+                base = x
+                while (src := producer.get(base)) is not None and src.op_type in _RESHAPING_OPS \
+                        and src.input and types.get(src.input[0]) == 1 and base == src.output[0]:
+                    base = src.input[0]
+                rounded[base] = _fresh(f"{base}.{fmt}", taken)
+                nodes += template.nodes(base, rounded[base])
+                cast_outputs.add(rounded[base])
+                via_view(x)
+            node.input[k] = rounded[x]
+        nodes.append(node)
+        for k, y in enumerate(node.output):
+            if not y or types.get(y) != 1:
+                continue
+            raw = _fresh(f"{y}.unrounded", taken)
+            node.output[k] = raw
+            producer[raw] = node
+            nodes += template.nodes(raw, y)
+            cast_outputs.add(y)
+            known[y] = True
+            rounded[y] = y
+    del g.node[:]
+    g.node.extend(nodes)
+    g.initializer.extend(template.used_initializers())
+    props = {p.key: p.value for p in proto.metadata_props}
+    tagged = json.loads(props.get("dlspass_roles", "{}"))
+    tagged.update({v: [roles.CAST, fmt] for v in sorted(cast_outputs) if v not in tagged})
+    meta = json.loads(props.get(META_FILE, "{}") or "{}")
+    meta["precision"] = {"fp16_type": fmt, "rounded_values": len(cast_outputs),
+                         "lowered_ops": sorted({n.op_type for n in targets})}
+    meta["applied_passes"] = [*meta.get("applied_passes", []), "lower_precision"]
+    helper.set_model_props(proto, {**props, META_FILE: json.dumps(meta, sort_keys=True),
+                                   "dlspass_roles": json.dumps(tagged, sort_keys=True)})
+    return len(cast_outputs)
+
+
+def _node_role(node: Any) -> str | None:
+    return next((p.value for p in node.metadata_props if p.key == CAST_ROLE_KEY), None)
+
+
+def _elem_types(proto: Any) -> dict[str, int]:
+    g = proto.graph
+    types = {vi.name: vi.type.tensor_type.elem_type
+             for vi in (*g.input, *g.value_info, *g.output) if vi.type.HasField("tensor_type")}
+    types.update({t.name: t.data_type for t in g.initializer})
+    return {k: v for k, v in types.items() if v}
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    out, i = name, 0
+    while out in taken:
+        i += 1
+        out = f"{name}.{i}"
+    taken.add(out)
+    return out
+
+
+class _RoundTemplate:
+    """The nodes that round one float32 value to ``fmt``, instantiated per value."""
+
+    _ARITH: dict[int, Any] = {}  # opset -> exported round_arith(x, "cbfloat16") ModelProto
+
+    def __init__(self, fmt: str, opset: int) -> None:
+        self.fmt = fmt
+        self.count = 0
+        self.model = None if fmt in _ONNX_DTYPES else self._arith(opset)
+        self.prefix = f"dlspass_round_{fmt}/"
+
+    @classmethod
+    def _arith(cls, opset: int) -> Any:
+        if opset not in cls._ARITH:
+            from .formats import round_arith
+
+            class Round(torch.nn.Module):
+                def forward(self, x: torch.Tensor) -> torch.Tensor:
+                    return round_arith(x, "cbfloat16")
+
+            with quiet_torch():
+                cls._ARITH[opset] = torch.onnx.export(
+                    Round(), (torch.zeros(3),), dynamo=True, verbose=False, optimize=True,
+                    verify=False, opset_version=opset,
+                    dynamic_shapes=({0: torch.export.Dim.DYNAMIC},)).model_proto
+            if cls._ARITH[opset].functions:
+                raise RuntimeError("round_arith exported with ONNX functions; cannot splice it")
+        return cls._ARITH[opset]
+
+    def nodes(self, x: str, out: str) -> list[Any]:
+        """Nodes reading ``x`` and writing its rounded value as ``out``."""
+        from onnx import NodeProto, StringStringEntryProto, helper
+
+        self.count += 1
+        tag = f"dlspass_round/{self.count}"
+        if self.model is None:
+            made = [helper.make_node("Cast", [x], [f"{out}/{self.fmt}"], name=f"{tag}/down",
+                                     to=_ONNX_DTYPES[self.fmt]),
+                    helper.make_node("Cast", [f"{out}/{self.fmt}"], [out], name=f"{tag}/up", to=1)]
+        else:
+            g = self.model.graph
+            inits = {t.name for t in g.initializer}
+            rename = {g.input[0].name: x, g.output[0].name: out}
+            made = []
+            for i, src in enumerate(g.node):
+                n = NodeProto()
+                n.CopyFrom(src)
+                del n.metadata_props[:]
+                n.name = f"{tag}/{i}"
+                for field in (n.input, n.output):
+                    for k, v in enumerate(field):
+                        if v:
+                            field[k] = rename.get(v) or (self.prefix + v if v in inits else f"{out}/{v}")
+                made.append(n)
+        for n in made:
+            n.metadata_props.extend([StringStringEntryProto(key=CAST_ROLE_KEY, value=roles.CAST),
+                                     StringStringEntryProto(key="dlspass_pass", value="lower_precision"),
+                                     StringStringEntryProto(key="dlspass_format", value=self.fmt)])
+        return made
+
+    def used_initializers(self) -> list[Any]:
+        """The rounding's constants, once (named under ``dlspass_round_<fmt>/``)."""
+        from onnx import TensorProto
+
+        if self.model is None or not self.count:
+            return []
+        out = []
+        for t in self.model.graph.initializer:
+            c = TensorProto()
+            c.CopyFrom(t)
+            c.name = self.prefix + t.name
+            out.append(c)
+        return out
 
 
 def insert_dls_onnx(proto: Any, config: Any, source: str = "model") -> Any:
@@ -373,9 +623,8 @@ def insert_dls_onnx(proto: Any, config: Any, source: str = "model") -> Any:
     checked (and clipped) by the exported ``dls_tail``, and the scaler state is updated:
     outputs ``grad.<param>.unscaled`` (what the optimizer must use), ``dlspass_isfinite`` (skip
     the optimizer update when False) and ``dlspass_scaler_<field>.new``. Precision lowering is
-    not applied to ONNX input (the graph keeps its own dtypes).
+    ``lower_precision_onnx``'s (``transform_onnx`` runs it first).
     """
-    import onnx
     from onnx import compose, helper
 
     from .scale_policy import STATE_FIELDS, init_state
@@ -444,12 +693,18 @@ def insert_dls_onnx(proto: Any, config: Any, source: str = "model") -> Any:
     tagged.update({f"{n}.new": [roles.SCALER_STATE_UPDATE, f] for n, f in zip(state_names, STATE_FIELDS, strict=True)})
     helper.set_model_props(proto, {**props, META_FILE: json.dumps(meta, sort_keys=True),
                                    "dlspass_roles": json.dumps(tagged, sort_keys=True)})
+    _check(proto, source)
+    return proto
+
+
+def _check(proto: Any, source: str) -> None:
+    import onnx
+
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as e:
-        raise InputError(f"{source}: the model with DLS inserted does not validate "
+        raise InputError(f"{source}: the transformed ONNX model does not validate "
                          f"({str(e).splitlines()[0]})") from None
-    return proto
 
 
 def _torch_dtype(elem_type: int) -> torch.dtype:

@@ -101,7 +101,8 @@ def test_onnx_training_graph_input_gets_dls(tmp_path):
 
     joint, dls = tmp_path / "joint.onnx", tmp_path / "dls.onnx"
     assert cf.cli("export", "cli_factories:mlp", "-o", joint) == 0
-    assert cf.cli("transform", joint, "-o", dls, "--config", cf.dls_yaml()) == 0
+    # fp32 matmuls: the gradients are compared with torch autograd's (precision: test_onnx_precision)
+    assert cf.cli("transform", joint, "-o", dls, "--config", cf.dls_yaml(), "--no-mixed-precision") == 0
     onnx.checker.check_model(onnx.load(str(dls)))
     so = ort.SessionOptions()
     so.log_severity_level = 3
