@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {name} done in {time.time() - t0:.0f} s", file=sys.stderr)
         if out.exists():
             sections.append(out.read_text().strip())
+    summary = HERE / "results" / "summary.md"  # hand-written reading of the runs below
+    if summary.exists():
+        sections.insert(0, summary.read_text().strip())
     header = (
         "# Benchmark results\n\n"
         "Produced by `.venv/bin/python tools/bench/run_all.py` (each section names its own command;\n"
