@@ -6,6 +6,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase
 
 from dlspass import roles
+from dlspass.config import DLSConfig
 
 APPLIED_KEY = "dlspass_applied"
 GLOBAL = "global"  # target of the one overflow flag and the one gradient norm of a step
@@ -26,6 +27,20 @@ class DLSPass(PassBase):
     def mark_applied(self, gm: fx.GraphModule) -> None:
         custom = gm.graph.output_node().meta.setdefault("custom", {})
         custom[APPLIED_KEY] = [*custom.get(APPLIED_KEY, []), self.name]
+
+
+class FlagConsumerPass(DLSPass):
+    """A pass that only acts under dynamic DLS and reads the step's one overflow flag."""
+
+    def __init__(self, config: DLSConfig | None) -> None:
+        self.config = config
+
+    def _active(self, gm: fx.GraphModule) -> bool:
+        return self.config is not None and self.config.dynamic and not self.applied(gm)
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        if self._active(gm) and global_node(gm.graph, roles.ISFINITE) is None:
+            raise PassContractError(f"{self.name}: no isfinite node; run unscale_grads first")
 
 
 def applied_passes(graph: fx.Graph) -> list[str]:

@@ -7,11 +7,10 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from dlspass import roles
-from dlspass.config import DLSConfig
 from dlspass.splice import splice
 
 from ._common import (
-    DLSPass,
+    FlagConsumerPass,
     PassContractError,
     global_node,
     placeholders_by_role,
@@ -23,20 +22,10 @@ from ._common import (
 GUARDED = {roles.PARAM_UPDATE: roles.PARAM, roles.OPT_STATE_UPDATE: roles.OPT_STATE}
 
 
-class GuardUpdatesPass(DLSPass):
+class GuardUpdatesPass(FlagConsumerPass):
     """Select the old parameter / optimizer state on overflow, without cloning anything."""
 
     name = "guard_updates"
-
-    def __init__(self, config: DLSConfig | None) -> None:
-        self.config = config
-
-    def _active(self, gm: fx.GraphModule) -> bool:
-        return self.config is not None and self.config.dynamic and not self.applied(gm)
-
-    def requires(self, gm: fx.GraphModule) -> None:
-        if self._active(gm) and global_node(gm.graph, roles.ISFINITE) is None:
-            raise PassContractError("guard_updates: no isfinite node; run unscale_grads first")
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         if not self._active(gm):

@@ -6,26 +6,15 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from dlspass import roles, scale_policy
-from dlspass.config import DLSConfig
 from dlspass.splice import splice
 
-from ._common import DLSPass, PassContractError, global_node, placeholder, set_outputs
+from ._common import FlagConsumerPass, PassContractError, global_node, placeholder, set_outputs
 
 
-class UpdateScalePass(DLSPass):
+class UpdateScalePass(FlagConsumerPass):
     """Trace the policy's update rule in once, fed by the step's one overflow flag."""
 
     name = "update_scale"
-
-    def __init__(self, config: DLSConfig | None) -> None:
-        self.config = config
-
-    def _active(self, gm: fx.GraphModule) -> bool:
-        return self.config is not None and self.config.dynamic and not self.applied(gm)
-
-    def requires(self, gm: fx.GraphModule) -> None:
-        if self._active(gm) and global_node(gm.graph, roles.ISFINITE) is None:
-            raise PassContractError("update_scale: no isfinite node; run unscale_grads first")
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         if not self._active(gm):
