@@ -310,7 +310,7 @@ def make_task(name: str, quick: bool, stress_log2: int | None = None) -> Task:
     """The task ``name`` ("gpt2" or "lenet"); ``quick`` shortens training for smoke runs and
     ``stress_log2`` overrides the stress setting's loss multiplier 2**stress_log2."""
     if name == "gpt2":
-        task = _gpt2_task(24 if quick else 360)
+        task = _gpt2_task(24 if quick else 480)
     elif name == "lenet":
         task = _lenet_task(24 if quick else 300)
     else:
