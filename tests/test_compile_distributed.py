@@ -12,16 +12,13 @@ single-process SGD on the concatenated batch (with the poisoned iteration left o
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
+from gloo_launch import launch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,33 +130,9 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 
 # ---- test side ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    outdir = tempfile.mkdtemp(prefix="dlspass_compile_dist_")
-    port = _free_port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(port), outdir],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(WORLD)]
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=WORKER_TIMEOUT_S)
-            logs.append(out.decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{WORLD}-process run did not finish in {WORKER_TIMEOUT_S} s")
-    if any(p.returncode != 0 for p in procs):
-        pytest.fail("a worker failed:\n" + "\n".join(log[-3000:] for log in logs))
-    results = [torch.load(Path(outdir) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    results = launch(__file__, WORLD, WORKER_TIMEOUT_S)
     for rank, r in enumerate(results):
         if "error" in r:
             pytest.fail(f"rank {rank}:\n{r['error']}")
