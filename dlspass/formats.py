@@ -33,6 +33,7 @@ There are three implementations that agree bitwise (NaN payloads aside):
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import types
@@ -415,20 +416,26 @@ def _node_args(node: fx.Node) -> tuple[fx.Node, str, bool, bool]:
     return vals["x"], vals["fmt"], bool(vals["saturate"]), bool(vals["flush_to_zero"])
 
 
-def _bit_fn(fmt: str, saturate: bool, flush_to_zero: bool):  # noqa: ANN202 - make_fx target
+def _bit_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):  # noqa: ANN202 - make_fx target
+    impl = round_arith if form == "arith" else round_bits
+
+    # make_fx needs a signature of exactly the traced arguments (no defaults)
     def fn(t: torch.Tensor) -> torch.Tensor:
-        return round_bits(t, fmt, saturate, flush_to_zero)
+        return impl(t, fmt, saturate, flush_to_zero)
 
     return fn
 
 
-def decompose_rounding(gm: fx.GraphModule) -> int:
-    """Replace each ``dlspass::round_to_format`` node in ``gm`` by the traced ``round_bits`` ops.
+def decompose_rounding(gm: fx.GraphModule, form: str = "bits") -> int:
+    """Replace each ``dlspass::round_to_format`` node in ``gm`` by traced plain aten ops.
 
-    The bit form is traced with ``make_fx`` on the node input's fake value (so the new nodes
-    carry valid ``meta["val"]``) and spliced in place. Returns the number of nodes replaced;
-    ``gm`` is recompiled when it changed.
+    ``form="bits"``: ``round_bits`` (int32 bit operations that inductor fuses); ``"arith"``:
+    ``round_arith`` (no bit-casts, for ONNX). The form is traced with ``make_fx`` on the node
+    input's fake value (so the new nodes carry valid ``meta["val"]``) and spliced in place.
+    Returns the number of nodes replaced; ``gm`` is recompiled when it changed.
     """
+    if form not in ("bits", "arith"):
+        raise ValueError(f"form: expected 'bits' or 'arith', got {form!r}")
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -441,7 +448,7 @@ def decompose_rounding(gm: fx.GraphModule) -> int:
         x_node, fmt, saturate, ftz = _node_args(node)
         val = x_node.meta.get("val") if isinstance(x_node, fx.Node) else None
 
-        fn = _bit_fn(fmt, saturate, ftz)
+        fn = _bit_fn(fmt, saturate, ftz, form)
         if isinstance(val, torch.Tensor) and detect_fake_mode([val]) is not None:
             mode = detect_fake_mode([val])
             mode_kind = "symbolic" if mode.shape_env is not None else "fake"
@@ -476,7 +483,8 @@ def decompose_rounding(gm: fx.GraphModule) -> int:
         if isinstance(out, fx.Node):
             for key in ("custom", "stack_trace", "nn_module_stack"):
                 if key in node.meta and key not in out.meta:
-                    out.meta[key] = node.meta[key]
+                    # a copy: one shared dict would let a later tag on one node change both
+                    out.meta[key] = copy.copy(node.meta[key])
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         count += 1

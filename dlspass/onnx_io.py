@@ -43,40 +43,6 @@ from . import roles
 from .export_io import META_FILE, InputError, quiet_torch, write_atomic
 
 
-def _arith_rounding(gm: fx.GraphModule) -> int:
-    """Replace each ``dlspass::round_to_format`` node by the traced ``round_arith`` ops."""
-    from torch._guards import detect_fake_mode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from .formats import _is_round_node, _node_args, round_arith
-
-    count = 0
-    for node in list(gm.graph.nodes):
-        if not _is_round_node(node):
-            continue
-        x, fmt, saturate, ftz = _node_args(node)
-        val = x.meta["val"]
-
-        fn = _arith_fn(round_arith, fmt, saturate, ftz)
-        with detect_fake_mode([val]):
-            sub = make_fx(fn, tracing_mode="fake")(val)
-        ph = next(n for n in sub.graph.nodes if n.op == "placeholder")
-        val_map: dict[fx.Node, fx.Node] = {ph: x}
-        if any(n.op == "get_attr" for n in sub.graph.nodes):
-            raise RuntimeError("round_arith traced a tensor constant; cannot splice it into the program")
-        with gm.graph.inserting_before(node):
-            out = gm.graph.graph_copy(sub.graph, val_map)
-        if "custom" in node.meta:
-            out.meta["custom"] = dict(node.meta["custom"])
-        node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
-        count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
-
-
 def _bool_where_to_logic(gm: fx.GraphModule) -> int:
     """``where(c, a, b)`` on bool tensors -> ``(c & a) | (~c & b)``: ORT's CPU Where has no bool kernel."""
     from .splice import set_fake_val
@@ -109,14 +75,6 @@ def _bool_where_to_logic(gm: fx.GraphModule) -> int:
     return count
 
 
-def _arith_fn(round_arith: Any, fmt: str, saturate: bool, ftz: bool) -> Any:
-    # make_fx needs a signature of exactly the traced arguments (no defaults)
-    def fn(t: torch.Tensor) -> torch.Tensor:
-        return round_arith(t, fmt, saturate, ftz)
-
-    return fn
-
-
 def _relabelled(step: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """A copy of ``step`` whose outputs are all USER_OUTPUT with a flat-tuple out_spec."""
     from torch.export import ExportedProgram
@@ -130,7 +88,12 @@ def _relabelled(step: torch.export.ExportedProgram) -> torch.export.ExportedProg
     from torch.utils._pytree import tree_flatten
 
     gm = copy.deepcopy(step.graph_module)
-    _arith_rounding(gm)
+    from .formats import decompose_rounding
+
+    constants = sum(n.op == "get_attr" for n in gm.graph.nodes)
+    decompose_rounding(gm, form="arith")
+    if sum(n.op == "get_attr" for n in gm.graph.nodes) != constants:
+        raise RuntimeError("round_arith traced a tensor constant; cannot splice it into the program")
     _bool_where_to_logic(gm)
     sig = step.graph_signature
     # by the output node's values: the rewrites above may have replaced an output node
