@@ -274,8 +274,7 @@ def capture_step_distributed(
     the parameters and buffers of the group's first rank to all ranks. With ``agree_flag`` the
     overflow flag is all-reduced too. Returns a ``CapturedStep``.
     """
-    from .capture.functional import CapturedStep, _inductor, _make_scaler, trace_step
-    from .passes import apply_dls
+    from .capture.functional import build_step
     from .verify import verify
 
     if resolve_group(process_group) is None and not (dist.is_available() and dist.is_initialized()):
@@ -286,16 +285,16 @@ def capture_step_distributed(
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=src, group=group)
-    gm, layout, fopt = trace_step(model, loss_fn, optimizer, example_batch, config)
-    insert_grad_allreduce(gm, process_group)
-    gm = apply_dls(gm, config, precision_mode=precision_mode)
-    if agree_flag and config is not None and config.dynamic:
-        insert_flag_allreduce(gm, process_group)
-        verify(gm)
-    step = CapturedStep(model, optimizer, gm, layout, fopt, _make_scaler(config), config)
-    if compile:
-        step._runner = _inductor(gm, step._inputs_for(step._batch_leaves(example_batch)))
-    return step
+
+    def agree(gm: fx.GraphModule) -> None:
+        if agree_flag and config is not None and config.dynamic:
+            insert_flag_allreduce(gm, process_group)
+            verify(gm)
+
+    return build_step(model, loss_fn, optimizer, example_batch, config, compile=compile,
+                      precision_mode=precision_mode,
+                      before_dls=lambda gm: insert_grad_allreduce(gm, process_group),
+                      after_dls=agree)
 
 
 def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:

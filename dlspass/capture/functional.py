@@ -8,6 +8,7 @@ back into the user's objects.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -301,15 +302,9 @@ def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
 
     from ..formats import decompose_rounding
 
-    gm = copy_graph_module(gm)
+    gm = copy.deepcopy(gm)  # the rewritten graph stays inspectable, with its rounding op
     decompose_rounding(gm)
     return compile_fx(gm, example)
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    import copy
-
-    return copy.deepcopy(gm)
 
 
 def _make_scaler(config: DLSConfig | None) -> Any:
@@ -349,19 +344,39 @@ def capture_step(
         >>> float(step.scaler.get_scale())
         32768.0
     """
-    from dlspass.passes import apply_dls
-
     if process_group is not None:
         from ..distributed import capture_step_distributed
 
         return capture_step_distributed(
             model, loss_fn, optimizer, example_batch, config, process_group=process_group,
             agree_flag=agree_flag, compile=compile, precision_mode=precision_mode)
+    return build_step(model, loss_fn, optimizer, example_batch, config, compile=compile,
+                      precision_mode=precision_mode)
+
+
+def build_step(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], Tensor],
+    optimizer: torch.optim.Optimizer,
+    example_batch: Any,
+    config: DLSConfig | None,
+    *,
+    compile: bool = False,
+    precision_mode: str = "emulate",
+    before_dls: Callable[[fx.GraphModule], None] | None = None,
+    after_dls: Callable[[fx.GraphModule], None] | None = None,
+) -> CapturedStep:
+    """Trace, run ``before_dls``, ``apply_dls``, ``after_dls``, and wrap as a ``CapturedStep``
+    (through inductor with ``compile``): the one assembly line of every captured step."""
+    from dlspass.passes import apply_dls
+
     gm, layout, fopt = trace_step(model, loss_fn, optimizer, example_batch, config)
+    if before_dls is not None:
+        before_dls(gm)
     gm = apply_dls(gm, config, precision_mode=precision_mode)
-    scaler = _make_scaler(config)
-    step = CapturedStep(model, optimizer, gm, layout, fopt, scaler, config)
+    if after_dls is not None:
+        after_dls(gm)
+    step = CapturedStep(model, optimizer, gm, layout, fopt, _make_scaler(config), config)
     if compile:
-        leaves = step._batch_leaves(example_batch)
-        step._runner = _inductor(gm, step._inputs_for(leaves))
+        step._runner = _inductor(gm, step._inputs_for(step._batch_leaves(example_batch)))
     return step
