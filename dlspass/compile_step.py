@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from . import roles, scale_policy
+from .capture.optim import FunctionalOptimizer, UnsupportedOptimizerError, functionalize, update_one
 from .config import ConfigError, DLSConfig
 from .marks import mark, resolve_marks
 
@@ -99,83 +100,44 @@ def resolve_config(
     return cfg
 
 
-# ---- functional optimizers ---------------------------------------------------------------------
+# ---- the optimizer: torch.optim's math from dlspass.capture.optim, on live tensors -------------
 
-def _check_optimizer(optimizer: Any) -> str:
-    kind = type(optimizer)
-    if kind is torch.optim.SGD:
-        return "sgd"
-    if kind is torch.optim.AdamW:
-        return "adamw"
-    if kind is torch.optim.Adam:
-        return "adam"
-    raise CompileError(
-        f"optimizer: {kind.__module__}.{kind.__qualname__} has no functional form in dlspass; "
-        f"supported: {', '.join(SUPPORTED_OPTIMIZERS)}"
-    )
+def _functionalize(optimizer: Any, names: dict[int, str]) -> FunctionalOptimizer:
+    if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        kind = type(optimizer)
+        raise CompileError(
+            f"optimizer: {kind.__module__}.{kind.__qualname__} has no functional form in dlspass; "
+            f"supported: {', '.join(SUPPORTED_OPTIMIZERS)}"
+        )
+    try:
+        return functionalize(optimizer, names)
+    except (UnsupportedOptimizerError, ValueError) as e:
+        raise CompileError(f"optimizer: {e}") from e
 
 
-def _materialize_state(optimizer: torch.optim.Optimizer, kind: str) -> None:
-    """Create the optimizer state torch would create lazily, so the graph can carry it."""
-    for group in optimizer.param_groups:
-        if group.get("differentiable"):
-            raise CompileError("optimizer: differentiable=True is not supported by dlspass.compile")
+def _materialize_state(optimizer: torch.optim.Optimizer, fopt: FunctionalOptimizer) -> dict[int, Tensor]:
+    """Create the optimizer state torch would create lazily, so the graph can carry it.
+
+    Returns SGD's ``momentum_initialized`` flags by ``id(param)``: torch's first momentum
+    buffer is the gradient itself, so a buffer created here as zeros is marked uninitialised
+    (and the graph keeps the flag, so a skipped first step leaves it so).
+    """
+    flags: dict[int, Tensor] = {}
+    for plan, group in zip(fopt.plans(), optimizer.param_groups, strict=True):
+        keys = fopt.state_keys(plan)
         for p in group["params"]:
             st = optimizer.state[p]
-            if kind == "sgd":
-                if group["momentum"] != 0 and st.get("momentum_buffer") is None:
-                    if group["dampening"] != 0:
-                        # torch seeds the buffer with the first gradient undamped; a zero
-                        # buffer reproduces that only without dampening
-                        raise CompileError(
-                            "optimizer: SGD with dampening != 0 needs its momentum buffers; run "
-                            "one eager step first or use dampening=0"
-                        )
-                    st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if fopt.kind == "SGD":
+                if keys:
+                    flags[id(p)] = torch.tensor(st.get("momentum_buffer") is not None, device=p.device)
+                    if st.get("momentum_buffer") is None:
+                        st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             elif len(st) == 0:
                 # on the parameter's device, so the step count never needs a host round trip
                 st["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group["amsgrad"]:
-                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def _sgd(p: Tensor, g: Tensor, st: dict, group: dict, lr: Tensor) -> tuple[Tensor, dict]:
-    if group["maximize"]:
-        g = -g
-    if group["weight_decay"] != 0:
-        g = g + group["weight_decay"] * p
-    new_st = {}
-    if group["momentum"] != 0:
-        buf = st["momentum_buffer"] * group["momentum"] + (1 - group["dampening"]) * g
-        new_st["momentum_buffer"] = buf
-        g = g + group["momentum"] * buf if group["nesterov"] else buf
-    return p - lr * g, new_st
-
-
-def _adam(p: Tensor, g: Tensor, st: dict, group: dict, lr: Tensor, decoupled: bool) -> tuple[Tensor, dict]:
-    beta1, beta2 = group["betas"]
-    wd, eps = group["weight_decay"], group["eps"]
-    if group["maximize"]:
-        g = -g
-    step = st["step"] + 1
-    if wd != 0:
-        if decoupled:
-            p = p * (1 - lr * wd)
-        else:
-            g = g + wd * p
-    exp_avg = torch.lerp(st["exp_avg"], g, 1 - beta1)
-    exp_avg_sq = st["exp_avg_sq"] * beta2 + (1 - beta2) * g * g
-    bc1 = 1 - torch.pow(beta1, step)
-    bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, step))
-    new_st = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    second = exp_avg_sq
-    if group["amsgrad"]:
-        second = torch.maximum(st["max_exp_avg_sq"], exp_avg_sq)
-        new_st["max_exp_avg_sq"] = second
-    denom = torch.sqrt(second) / bc2_sqrt + eps
-    return p - (lr / bc1) * exp_avg / denom, new_st
+                for k in keys[1:]:
+                    st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return flags
 
 
 # ---- the traced step ---------------------------------------------------------------------------
@@ -183,36 +145,45 @@ def _adam(p: Tensor, g: Tensor, st: dict, group: dict, lr: Tensor, decoupled: bo
 class _StepContext:
     """What the intercepted optimizer calls read while dynamo traces: plain attributes only."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, kind: str, scaler: Any, config: DLSConfig,
-                 names: dict[int, str]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, fopt: FunctionalOptimizer, scaler: Any,
+                 config: DLSConfig, names: dict[int, str], flags: dict[int, Tensor]) -> None:
         self.optimizer = optimizer
-        self.kind = kind
+        self.fopt = fopt
         self.scaler = scaler
         self.config = config
         self.names = names
+        self.flags = flags
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
         if scaler is not None and device is not None and scaler.state.loss_scale.device != device:
             # the state must live beside the parameters: the step reads and writes it in-graph
             scaler.state = scale_policy.ScalerState(*(t.to(device) for t in scaler.state))
         self.state = scaler.state if scaler is not None else scale_policy.init_state(config, device)
-        # a tensor lr is read as is; a float lr gets a 0-d tensor refreshed before each call
-        self.lr = [g["lr"] if isinstance(g["lr"], Tensor)
-                   else torch.tensor(float(g["lr"]), device=device)
-                   for g in optimizer.param_groups]
+        # every hyperparameter is a live 0-d float64 tensor (a graph input, refreshed before each
+        # call), so a scheduler changing lr or weight decay never recompiles; only the plans'
+        # static options (momentum on/off, nesterov, amsgrad, ...) are baked into the graph
+        self.hyper = [{k: torch.zeros((), dtype=torch.float64, device=device) for k in fopt.hyper_keys()}
+                      for _ in optimizer.param_groups]
         # the traced code reads these copies, never param_groups itself: dynamo guards every
-        # value of a dict it iterates, so reading a group would bake lr in as a constant
+        # value of a dict it iterates, so reading a group would bake its values in as constants
         self.params = [list(g["params"]) for g in optimizer.param_groups]
-        self.hyper: list[dict[str, Any]] = [{} for _ in optimizer.param_groups]
+        self.plans = fopt.plans()
+        self._signature = fopt.static_signature()
         self.refresh()
 
     def refresh(self) -> None:
-        for t, hyper, group in zip(self.lr, self.hyper, self.optimizer.param_groups, strict=True):
-            if not isinstance(group["lr"], Tensor):
-                t.fill_(float(group["lr"]))
-            current = {k: v for k, v in group.items() if k not in ("params", "lr")}
-            if current != hyper:  # other hyperparameters stay constants: a change recompiles
-                hyper.clear()
-                hyper.update(current)
+        signature = self.fopt.static_signature()
+        if signature != self._signature:  # a static option changed: the next call recompiles
+            self.plans, self._signature = self.fopt.plans(), signature
+        for hyper, group in zip(self.hyper, self.optimizer.param_groups, strict=True):
+            values = dict(group)
+            if self.fopt.kind == "Adam":
+                values["beta1"], values["beta2"] = group["betas"]
+            for k, t in hyper.items():
+                v = values[k]
+                if isinstance(v, Tensor):
+                    t.copy_(v.detach().reshape(()))  # no host sync for a tensor lr
+                else:
+                    t.fill_(float(v))
         if self.scaler is not None:
             self.state = self.scaler.state
 
@@ -223,29 +194,33 @@ class _StepContext:
         """
         if args or kwargs:
             raise CompileError("optimizer.step(closure) is not supported inside dlspass.compile")
-        opt = self.optimizer
         with torch.no_grad():
-            for gi, (params, group) in enumerate(zip(self.params, self.hyper, strict=True)):
-                lr = mark(self.lr[gi], roles.HYPER, f"group{gi}.lr")
+            for gi, (params, plan) in enumerate(zip(self.params, self.plans, strict=True)):
+                hyper = {k: mark(t, roles.HYPER, f"group{gi}.{k}") for k, t in self.hyper[gi].items()}
                 for p in params:
                     if p.grad is None:
                         continue
                     name = self.names[id(p)]
                     g = mark(p.grad, roles.GRAD, name)
                     old = mark(p, roles.PARAM, name)
-                    st = {k: mark(v, roles.OPT_STATE, f"{name}.{k}") for k, v in opt.state[p].items()}
-                    if self.kind == "sgd":
-                        new_p, new_st = _sgd(old, g.to(p.dtype), st, group, lr)
-                    else:
-                        new_p, new_st = _adam(old, g.to(p.dtype), st, group, lr, self.kind == "adamw")
+                    live = self._state_of(p, plan)
+                    st = {k: mark(v, roles.OPT_STATE, f"{name}.{k}") for k, v in live.items()}
+                    new_p, new_st = update_one(self.fopt.kind, plan, old, g.to(p.dtype), st, hyper)
                     p.copy_(mark(new_p, roles.PARAM_UPDATE, name))
                     for k, v in new_st.items():
-                        opt.state[p][k].copy_(mark(v, roles.OPT_STATE_UPDATE, f"{name}.{k}"))
+                        live[k].copy_(mark(v, roles.OPT_STATE_UPDATE, f"{name}.{k}"))
             if not self.config.enabled:
                 return
             for t, field in zip(self.state, scale_policy.STATE_FIELDS, strict=True):
                 # the state passes through; UpdateScalePass replaces these outputs
                 t.copy_(mark(mark(t, roles.SCALER_STATE, field), roles.SCALER_STATE_UPDATE, field))
+
+    def _state_of(self, p: Tensor, plan: Any) -> dict[str, Tensor]:
+        """The live state tensors ``update_one`` reads for ``p``, in torch's ``optimizer.state``
+        except SGD's ``momentum_initialized`` flag, which torch does not keep."""
+        st = self.optimizer.state[p]
+        return {k: (self.flags[id(p)] if k == "momentum_initialized" else st[k])
+                for k in self.fopt.state_keys(plan)}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for params in self.params:
@@ -387,12 +362,12 @@ class CompiledStep:
                  config: DLSConfig, backend_compiler: str,
                  graph_passes: Sequence[Callable[[fx.GraphModule], None]] = (),
                  process_group: Any = None, broadcast_params: bool = True) -> None:
-        kind = _check_optimizer(optimizer)
-        _materialize_state(optimizer, kind)
         names = {}
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
                 names[id(p)] = f"group{gi}.param{pi}"
+        fopt = _functionalize(optimizer, names)
+        flags = _materialize_state(optimizer, fopt)
         self.fn = fn
         self.optimizer = optimizer
         self.scaler = scaler
@@ -405,7 +380,7 @@ class CompiledStep:
         self.process_group = _resolve_process_group(process_group)
         self._broadcast_pending = broadcast_params and self.process_group is not None
         self._names = names
-        self._ctx = _StepContext(optimizer, kind, scaler, config, names)
+        self._ctx = _StepContext(optimizer, fopt, scaler, config, names, flags)
         from torch._dynamo.backends.common import aot_autograd
 
         backend = aot_autograd(fw_compiler=_make_fw_compiler(self))
@@ -443,9 +418,14 @@ class CompiledStep:
         had = {k: opt.__dict__[k] for k in ("step", "zero_grad") if k in opt.__dict__}
         opt.step = self._ctx.step
         opt.zero_grad = self._ctx.zero_grad
+        track = self.config.dynamic and hasattr(self.scaler, "_after_compiled_step")
+        skipped = self.scaler.state.num_skipped_steps.clone() if track else None
         try:
             with torch._dynamo.config.patch(trace_autograd_ops=True):
-                return self._compiled(*args, **kwargs)
+                out = self._compiled(*args, **kwargs)
+            if track:
+                self.scaler._after_compiled_step(skipped)
+            return out
         except torch._dynamo.exc.Unsupported as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CompileError(

@@ -460,6 +460,14 @@ class GradScaler:
         if self._updates % FLOOR_CHECK_EVERY == 0:
             self._check_floor()
 
+    def _after_compiled_step(self, skipped_before: Tensor) -> None:
+        """Bookkeeping ``update()`` does, for a step whose graph updated ``state`` in place
+        (``dlspass.compile``): the overflow flag, read from the skip counter on the device."""
+        self._found_inf = self.state.num_skipped_steps != skipped_before
+        self._updates += 1
+        if self._updates % FLOOR_CHECK_EVERY == 0:
+            self._check_floor()
+
     def get_scale(self) -> Tensor:
         """The scale the next ``scale()`` uses (0-d float32; 1.0 when disabled).
 

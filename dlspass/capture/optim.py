@@ -66,7 +66,7 @@ def _kind_of(optimizer: Any) -> str:
 
 
 @dataclass(frozen=True)
-class _GroupPlan:
+class GroupPlan:
     """The static (trace-baked) view of one param group."""
 
     index: int
@@ -113,7 +113,7 @@ class FunctionalOptimizer:
 
     # ---- static structure -------------------------------------------------------------------
 
-    def _plans(self) -> list[_GroupPlan]:
+    def _plans(self) -> list[GroupPlan]:
         plans = []
         seen: set[str] = set()
         for gi, group in enumerate(self.optimizer.param_groups):
@@ -140,15 +140,23 @@ class FunctionalOptimizer:
             common = dict(index=gi, names=tuple(names), maximize=bool(group.get("maximize", False)),
                           use_weight_decay=_nonzero(group["weight_decay"]))
             if self.kind == "SGD":
-                plans.append(_GroupPlan(**common, nesterov=bool(group.get("nesterov", False)),
+                plans.append(GroupPlan(**common, nesterov=bool(group.get("nesterov", False)),
                                         use_momentum=_nonzero(group["momentum"])))
             else:
-                plans.append(_GroupPlan(
+                plans.append(GroupPlan(
                     **common, amsgrad=bool(group.get("amsgrad", False)),
                     decoupled=bool(group.get("decoupled_weight_decay", False)),
                     capturable=bool(group.get("capturable", False)),
                     fused=bool(group.get("fused", False))))
         return plans
+
+    def plans(self) -> list[GroupPlan]:
+        """The static view of each param group (options a trace bakes in), validated."""
+        return self._plans()
+
+    def state_keys(self, plan: GroupPlan) -> tuple[str, ...]:
+        """The state ``update_one`` reads and returns for a parameter of ``plan``'s group."""
+        return self._state_keys(plan)
 
     def static_signature(self) -> tuple:
         """Everything ``update`` bakes into a trace; a change means the step must be re-traced."""
@@ -158,10 +166,14 @@ class FunctionalOptimizer:
         """Names of the parameters this optimizer updates, in param-group order."""
         return [n for plan in self._plans() for n in plan.names]
 
-    def _state_keys(self, plan: _GroupPlan) -> tuple[str, ...]:
+    def _state_keys(self, plan: GroupPlan) -> tuple[str, ...]:
         if self.kind == "SGD":
             return ("momentum_buffer", "momentum_initialized") if plan.use_momentum else ()
         return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if plan.amsgrad else ())
+
+    def hyper_keys(self) -> tuple[str, ...]:
+        """The per-group hyperparameter names ``update_one`` reads."""
+        return self._hyper_keys()
 
     def _hyper_keys(self) -> tuple[str, ...]:
         if self.kind == "SGD":
@@ -237,12 +249,7 @@ class FunctionalOptimizer:
                     continue
                 param = _need(params, name, "params")
                 st = {k: _need(state, f"{name}.{k}", "state") for k in self._state_keys(plan)}
-                if self.kind == "SGD":
-                    new_p, new_st = _sgd_one(plan, param, grad, st, h)
-                elif plan.capturable:
-                    new_p, new_st = _adam_one_capturable(plan, param, grad, st, h)
-                else:
-                    new_p, new_st = _adam_one(plan, param, grad, st, h)
+                new_p, new_st = update_one(self.kind, plan, param, grad, st, h)
                 new_params[name] = new_p
                 for k, v in new_st.items():
                     new_state[f"{name}.{k}"] = v
@@ -305,6 +312,17 @@ def functionalize(optimizer: torch.optim.Optimizer, param_names: dict[int, str])
 # ---- per-parameter math, mirroring torch/optim/{sgd,adam}.py _single_tensor_* ------------------
 
 
+def update_one(kind: str, plan: GroupPlan, param: Tensor, grad: Tensor, st: dict[str, Tensor],
+               hyper: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """One parameter's step: ``(new_param, new_state)``; ``st`` holds ``state_keys(plan)``
+    (unprefixed) and ``hyper`` the group's 0-d float64 hyperparameters (unprefixed)."""
+    if kind == "SGD":
+        return _sgd_one(plan, param, grad, st, hyper)
+    if plan.capturable:
+        return _adam_one_capturable(plan, param, grad, st, hyper)
+    return _adam_one(plan, param, grad, st, hyper)
+
+
 def _need(d: dict[str, Tensor], key: str, what: str) -> Tensor:
     try:
         return d[key]
@@ -324,7 +342,7 @@ def _scalar_dtype(fused: bool) -> torch.dtype:
     return _get_scalar_dtype(is_fused=fused)
 
 
-def _sgd_one(plan: _GroupPlan, param: Tensor, grad: Tensor, st: dict[str, Tensor],
+def _sgd_one(plan: GroupPlan, param: Tensor, grad: Tensor, st: dict[str, Tensor],
              h: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     if plan.maximize:
         grad = -grad
@@ -342,7 +360,7 @@ def _sgd_one(plan: _GroupPlan, param: Tensor, grad: Tensor, st: dict[str, Tensor
     return torch.addcmul(param, grad, h["lr"], value=-1), new_st
 
 
-def _adam_moments(plan: _GroupPlan, param: Tensor, grad: Tensor, st: dict[str, Tensor],
+def _adam_moments(plan: GroupPlan, param: Tensor, grad: Tensor, st: dict[str, Tensor],
                   h: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Shared head of both Adam paths: (step, param, grad-applied exp_avg, exp_avg_sq, grad)."""
     if plan.maximize:
@@ -360,7 +378,7 @@ def _adam_moments(plan: _GroupPlan, param: Tensor, grad: Tensor, st: dict[str, T
     return step, param, exp_avg, exp_avg_sq, grad
 
 
-def _adam_one(plan: _GroupPlan, param: Tensor, grad: Tensor, st: dict[str, Tensor],
+def _adam_one(plan: GroupPlan, param: Tensor, grad: Tensor, st: dict[str, Tensor],
               h: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     step, param, exp_avg, exp_avg_sq, grad = _adam_moments(plan, param, grad, st, h)
     step64 = step.to(_HYPER_DTYPE)  # torch: step.item(), a Python float
@@ -378,7 +396,7 @@ def _adam_one(plan: _GroupPlan, param: Tensor, grad: Tensor, st: dict[str, Tenso
     return torch.addcdiv(param, -step_size * exp_avg, denom), new_st
 
 
-def _adam_one_capturable(plan: _GroupPlan, param: Tensor, grad: Tensor, st: dict[str, Tensor],
+def _adam_one_capturable(plan: GroupPlan, param: Tensor, grad: Tensor, st: dict[str, Tensor],
                          h: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     # capturable keeps step a float32 tensor, so torch's bias corrections are float32 tensor math
     step, param, exp_avg, exp_avg_sq, grad = _adam_moments(plan, param, grad, st, h)
