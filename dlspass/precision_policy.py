@@ -52,6 +52,16 @@ VALUE_PRESERVING_OPS = _ops(
 )
 
 
+# Value-preserving ops that keep every element of their input (no slicing): rounding their input
+# instead of their output rounds no extra elements, so a weight read through t() in the forward
+# and through another view in the backward is rounded once.
+WHOLE_VIEW_OPS = VALUE_PRESERVING_OPS - _ops(
+    "slice.Tensor", "select.int", "split.Tensor", "split_with_sizes.default",
+    "slice_copy.Tensor", "select_copy.int", "split_copy.Tensor", "split_with_sizes_copy.default",
+    "clone.default", "contiguous.default",
+)
+
+
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """The ops lowered to 16 bits (``lower_ops``) and the format they are lowered to."""

@@ -9,7 +9,12 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from dlspass import roles
-from dlspass.precision_policy import NATIVE_DTYPES, VALUE_PRESERVING_OPS, PrecisionPolicy
+from dlspass.precision_policy import (
+    NATIVE_DTYPES,
+    VALUE_PRESERVING_OPS,
+    WHOLE_VIEW_OPS,
+    PrecisionPolicy,
+)
 from dlspass.splice import insert_op, set_fake_val
 
 from ._common import DLSPass, PassContractError
@@ -88,9 +93,17 @@ class LowerPrecisionPass(DLSPass):
 
         def round_input(x: fx.Node, op: fx.Node) -> fx.Node:
             if x not in rounded:
-                rounded[x] = x if is_rounded(x) else insert_op(
-                    graph, rnd, (x, self.fmt, False, False), before=op, role=roles.CAST,
-                    by_pass=self.name)
+                if is_rounded(x):
+                    rounded[x] = x
+                elif _whole_view_of_f32(x):
+                    # round the viewed tensor once and replay the view on it: a weight read as
+                    # t(w) in the forward and as w in the backward is rounded once, not twice
+                    src = round_input(x.args[0], op)
+                    rounded[x] = insert_op(graph, x.target, (src, *x.args[1:]), dict(x.kwargs),
+                                           before=op, role=roles.CAST, by_pass=self.name)
+                else:
+                    rounded[x] = insert_op(graph, rnd, (x, self.fmt, False, False), before=op,
+                                           role=roles.CAST, by_pass=self.name)
             return rounded[x]
 
         def round_output(y: fx.Node) -> None:
@@ -113,8 +126,13 @@ class LowerPrecisionPass(DLSPass):
 
         def to16(x: fx.Node, op: fx.Node) -> fx.Node:
             if x not in down:
-                down[x] = insert_op(graph, cet, (x, dtype), before=op, role=roles.CAST,
-                                    by_pass=self.name)
+                if _whole_view_of_f32(x):  # cast the viewed tensor once, as in _emulate
+                    down[x] = insert_op(graph, x.target, (to16(x.args[0], op), *x.args[1:]),
+                                        dict(x.kwargs), before=op, role=roles.CAST,
+                                        by_pass=self.name)
+                else:
+                    down[x] = insert_op(graph, cet, (x, dtype), before=op, role=roles.CAST,
+                                        by_pass=self.name)
             return down[x]
 
         for op in targets:
@@ -127,6 +145,11 @@ class LowerPrecisionPass(DLSPass):
                 up = insert_op(graph, cet, (y, torch.float32), before=y.next, role=roles.CAST,
                                by_pass=self.name)
                 y.replace_all_uses_with(up, delete_user_cb=lambda u, up=up: u is not up)
+
+
+def _whole_view_of_f32(x: fx.Node) -> bool:
+    src = x.args[0] if x.op == "call_function" and x.target in WHOLE_VIEW_OPS and x.args else None
+    return isinstance(src, fx.Node) and _is_f32(src)
 
 
 def _outputs(op: fx.Node) -> list[fx.Node]:

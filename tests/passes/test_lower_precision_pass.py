@@ -12,7 +12,7 @@ from stepgraph import cnn_step, gpt_step, mlp_step, run, trace_step
 from dlspass import roles
 from dlspass.config import DLSConfig
 from dlspass.models import MLP, mse_loss
-from dlspass.precision_policy import DEFAULT_LOWER_OPS, VALUE_PRESERVING_OPS
+from dlspass.precision_policy import DEFAULT_LOWER_OPS, VALUE_PRESERVING_OPS, WHOLE_VIEW_OPS
 
 aten = torch.ops.aten
 ROUND = torch.ops.dlspass.round_to_format.default
@@ -25,6 +25,12 @@ def _rounded(n: torch.fx.Node) -> bool:
             return False
         n = n.args[0]
     return True
+
+
+def _view_root(n: torch.fx.Node) -> torch.fx.Node:
+    while n.op == "call_function" and n.target in WHOLE_VIEW_OPS:
+        n = n.args[0]
+    return n
 
 
 def _check_lowered(gm: torch.fx.GraphModule, fmt: str) -> set:
@@ -45,6 +51,9 @@ def _check_lowered(gm: torch.fx.GraphModule, fmt: str) -> set:
             assert roles.pass_of(r) == "lower_precision"
     rounds = [n for n in gm.graph.nodes if n.target is ROUND]
     assert len({r.args[0] for r in rounds}) == len(rounds), "a value is rounded twice"
+    # nor twice through different whole views (a weight read as t(w) and as w): round the source
+    roots = [_view_root(r.args[0]) for r in rounds]
+    assert len(set(roots)) == len(roots), "a tensor is rounded twice through different views"
     assert not any(r.args[0].target is ROUND for r in rounds), "a rounded value is rounded again"
     return seen
 
@@ -121,7 +130,12 @@ def test_native_float16_casts_around_the_op() -> None:
     assert mms
     for n in mms:
         assert n.meta["val"].dtype == torch.float16
-        assert all(a.target is cet and a.args[1] == torch.float16 for a in n.all_input_nodes)
+        # each input is a cast, or a view replayed on the cast of the viewed tensor
+        roots = [_view_root(a) for a in n.all_input_nodes]
+        assert all(r.target is cet and r.args[1] == torch.float16 for r in roots)
+    casts = [n for n in gm.graph.nodes if n.target is cet and n.args[1] == torch.float16]
+    assert len({_view_root(c.args[0]) for c in casts}) == len(casts), "a tensor is cast twice"
+    for n in mms:
         (up,) = n.users
         assert up.target is cet and up.args[1] == torch.float32 and roles.role_of(up) == roles.CAST
     native = run(step, gm)
