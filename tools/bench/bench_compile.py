@@ -9,8 +9,13 @@ Configurations, each compiled with inductor, timed in interleaved repeats (media
   ``torch.amp.GradScaler`` (goal: dls / torch <= 1.0);
 - ``cb16``: ``dls`` with emulated cbfloat16 matmuls (goal: cb16 / dls <= 1.2).
 
-Run: ``.venv/bin/python tools/bench/bench_compile.py [--repeats 15] [--steps 3]``; writes
-``tools/bench/results/compile.md`` and prints it.
+Also: where the time of the ``dls`` and ``torch`` steps goes (``breakdown.py``), and the kernels
+inductor generates for ``plain`` and ``dls`` at 2 and 4 blocks (goal: DLS adds at most 4 kernel
+launches; ``dlspass.kernel_count``).
+
+Run: ``.venv/bin/python tools/bench/bench_compile.py [--repeats 15] [--steps 3] [--small]``;
+writes ``tools/bench/results/compile.md`` (``--small``: a d=32 model, a smoke run that writes
+nothing) and prints it.
 """
 
 from __future__ import annotations
@@ -28,19 +33,33 @@ import torch
 from torch._dynamo.utils import counters
 
 import dlspass
+from dlspass.kernel_count import count_kernels
 from dlspass.models import TinyGPT, copy_task_batch, gpt_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from breakdown import BUCKETS, breakdown  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compile.md"
 GOALS = {"plain": ("dls / plain", 1.02), "torch": ("dls / torch", 1.0), "cb16": ("cb16 / dls", 1.2)}
+MAX_EXTRA_LAUNCHES = 4
+# (d, block size, batch): the anchor, and a small size for smoke runs
+SIZES = {"anchor": (128, 64, 16), "small": (32, 16, 4)}
+SIZE = SIZES["anchor"]
 
 
-def _model() -> TinyGPT:
+def _model(n_layer: int = 2) -> TinyGPT:
     torch.manual_seed(0)
-    return TinyGPT(vocab=64, d=128, n_layer=2, n_head=2, block_size=64)
+    d, block, _ = SIZE
+    return TinyGPT(vocab=64, d=d, n_layer=n_layer, n_head=2, block_size=block)
 
 
-def _dlspass_step(scaler: dlspass.GradScaler | None, **kw: object) -> Callable:
-    model = _model()
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    _, block, batch = SIZE
+    return copy_task_batch(64, batch, block, torch.Generator().manual_seed(0))
+
+
+def _dlspass_step(scaler: dlspass.GradScaler | None, n_layer: int = 2, **kw: object) -> Callable:
+    model = _model(n_layer)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def train_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -98,7 +117,7 @@ def _cold_cache() -> None:
 
 def run(repeats: int = 15, steps: int = 3) -> dict[str, dict[str, float]]:
     """Compile each configuration (timing it and counting graph breaks), then time them interleaved."""
-    batch = copy_task_batch(64, 16, 64, torch.Generator().manual_seed(0))
+    batch = _batch()
     results: dict[str, dict[str, float]] = {}
     fns: dict[str, Callable] = {}
     for name, build in BUILDERS.items():
@@ -119,10 +138,28 @@ def run(repeats: int = 15, steps: int = 3) -> dict[str, dict[str, float]]:
             samples[name].append(_time(step, batch, steps))
     for name, vals in samples.items():
         results[name]["median_ms"] = 1e3 * statistics.median(vals)
+    for name in ("dls", "torch"):
+        results[name].update({f"bd:{k}": v for k, v in breakdown(fns[name], batch).items()})
     return results
 
 
-def report(results: dict[str, dict[str, float]], command: str, repeats: int, steps: int) -> str:
+def kernel_counts(layers: tuple[int, ...] = (2, 4)) -> dict[tuple[int, str], object]:
+    """Inductor's kernels for the step with and without DLS (fp32), at each depth."""
+    from torch._inductor.utils import run_and_get_code
+
+    out = {}
+    batch = _batch()
+    for n in layers:
+        for name, scaler in (("plain", None), ("dls", dlspass.GradScaler(loss_scale="dynamic"))):
+            torch._dynamo.reset()
+            step = _dlspass_step(scaler, n_layer=n, mixed_precision=False)
+            _, codes = run_and_get_code(step, *batch)
+            out[(n, name)] = count_kernels(codes)
+    return out
+
+
+def report(results: dict[str, dict[str, float]], command: str, repeats: int, steps: int,
+           kernels: dict | None = None) -> str:
     """The markdown report (MISS where a goal is not met)."""
     med = {k: v["median_ms"] for k, v in results.items()}
     ratios = {"plain": med["dls"] / med["plain"], "torch": med["dls"] / med["torch"],
@@ -133,7 +170,8 @@ def report(results: dict[str, dict[str, float]], command: str, repeats: int, ste
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared), {platform.system()}, "
         f"Python {platform.python_version()}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} intra-op threads.", "",
-        "Model: TinyGPT(vocab 64, d 128, 2 layers, 2 heads, block 64), batch 16x64, AdamW. "
+        f"Model: TinyGPT(vocab 64, d {SIZE[0]}, 2 layers, 2 heads, block {SIZE[1]}), "
+        f"batch {SIZE[2]}x{SIZE[1]}, AdamW. "
         f"{repeats} interleaved repeats of {steps} steps; medians.", "",
         "| config | step (ms, median) | compile (s) | graphs | graph breaks |",
         "|---|---|---|---|---|",
@@ -148,6 +186,32 @@ def report(results: dict[str, dict[str, float]], command: str, repeats: int, ste
     for key, (label, goal) in GOALS.items():
         status = "ok" if ratios[key] <= goal else "MISS"
         lines.append(f"| {label} | {ratios[key]:.3f} | <= {goal} | {status} |")
+    lines += ["", "Where the time goes (ms per step, one profiled run of 5 steps after the timing; "
+              "`tools/bench/breakdown.py`):", "",
+              "| config | " + " | ".join(BUCKETS) + " | wall |", "|---" * (len(BUCKETS) + 2) + "|"]
+    for name in ("dls", "torch"):
+        r = results[name]
+        lines.append(f"| {labels[name]} | " + " | ".join(f"{r['bd:' + b]:.1f}" for b in BUCKETS)
+                     + f" | {r['bd:wall']:.1f} |")
+    if kernels:
+        lines += ["", "Kernels inductor generates for the fp32 step (launches per step; "
+                  "definitions in parentheses; `dlspass.kernel_count`):", "",
+                  "| blocks | without DLS | with DLS | DLS adds (launches) | goal | status |",
+                  "|---|---|---|---|---|---|"]
+        for n in sorted({k[0] for k in kernels}):
+            p, d = kernels[(n, "plain")], kernels[(n, "dls")]
+            extra = d.launches - p.launches
+            status = "ok" if extra <= MAX_EXTRA_LAUNCHES else "MISS"
+            lines.append(f"| {n} | {p.launches} ({p.definitions}) | {d.launches} ({d.definitions}) "
+                         f"| {extra:+d} | <= {MAX_EXTRA_LAUNCHES} | {status} |")
+        lines += ["", "Library matmul launches are the same with and without DLS. Without DLS "
+                  "inductor folds each AdamW update into a kernel of the backward; with DLS "
+                  "every update waits for the overflow flag, so the updates run in one final "
+                  "kernel and the per-gradient partial sums of matmul-produced weight gradients "
+                  "need kernels of their own where no backward kernel absorbs them, so the count "
+                  "grows with depth and which partial sums inductor absorbs depends on the "
+                  "shapes. Launches are counted in the wrapper's `call`; definitions are fewer "
+                  "because inductor reuses a kernel for a repeated block."]
     lines += ["", "Notes: the torch baseline has no autocast (fp32 like the dls row); its "
               "graph-break count is over the compiled model only (the scaler and optimizer run "
               "eagerly). Timings on a shared 2-core machine are noisy."]
@@ -159,12 +223,17 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed sample")
+    parser.add_argument("--small", action="store_true", help="a d=32 model; writes nothing")
     args = parser.parse_args(argv)
+    global SIZE
+    SIZE = SIZES["small" if args.small else "anchor"]
     _cold_cache()
     command = "python tools/bench/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(run(args.repeats, args.steps), command.strip(), args.repeats, args.steps)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    results = run(args.repeats, args.steps)
+    text = report(results, command.strip(), args.repeats, args.steps, kernel_counts())
+    if not args.small:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(text)
     print(text)
     return text
 

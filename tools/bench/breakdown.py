@@ -1,0 +1,58 @@
+"""Where a training step's time goes, from one torch.profiler trace of a few steps.
+
+Buckets (ms per step): ``matmul`` (aten mm/bmm/addmm/baddbmm: inductor calls them as library
+kernels, eager code directly), ``compiled kernels`` (the rest of the time inside compiled
+regions: inductor's generated kernels and wrapper), ``eager ops`` (aten ops outside compiled
+regions: the eager optimizer, the scaler, zero_grad), and ``host`` (the step's wall time not
+spent in any profiled op: Python, dynamo guards, autograd bookkeeping, waiting).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from torch.profiler import ProfilerActivity, profile
+
+MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"}
+_COMPILED = ("Torch-Compiled Region", "CompiledFunction", "## Call CompiledFxGraph")
+BUCKETS = ("matmul", "compiled kernels", "eager ops", "host")
+
+
+def _in_compiled(ev) -> bool:  # noqa: ANN001 - torch.autograd.profiler_util.FunctionEvent
+    while ev is not None:
+        if ev.name.startswith(_COMPILED) or "CompiledFunction" in ev.name:
+            return True
+        ev = ev.cpu_parent
+    return False
+
+
+def breakdown(step: Callable, batch: tuple, steps: int = 5) -> dict[str, float]:
+    """Milliseconds per step in each of ``BUCKETS`` (they add up to the wall time)."""
+    step(*batch)  # warm
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(*batch)
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    matmul = compiled_total = eager = 0.0
+    for ev in prof.events():
+        us = ev.self_cpu_time_total
+        if ev.name in MATMULS:
+            matmul += us
+        if ev.cpu_parent is None and _in_compiled(ev):
+            # top-level events only, with their children: nested regions count once
+            compiled_total += ev.cpu_time_total
+        elif ev.name.startswith("aten::") and not _in_compiled(ev):
+            eager += us
+    matmul_in_compiled = sum(ev.self_cpu_time_total for ev in prof.events()
+                             if ev.name in MATMULS and _in_compiled(ev))
+    out = {
+        "matmul": matmul / 1e3 / steps,
+        "compiled kernels": max(compiled_total - matmul_in_compiled, 0.0) / 1e3 / steps,
+        "eager ops": (eager - (matmul - matmul_in_compiled)) / 1e3 / steps,
+    }
+    out["host"] = max(wall - sum(out.values()), 0.0)
+    out["wall"] = wall
+    return out
+
