@@ -115,66 +115,100 @@ def _functionalize(optimizer: Any, names: dict[int, str]) -> FunctionalOptimizer
         raise CompileError(f"optimizer: {e}") from e
 
 
+def _param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """``{id(param): "group<i>.param<j>"}``: the graph targets of the optimizer's parameters."""
+    return {id(p): f"group{gi}.param{pi}"
+            for gi, group in enumerate(optimizer.param_groups) for pi, p in enumerate(group["params"])}
+
+
 def _materialize_state(optimizer: torch.optim.Optimizer, fopt: FunctionalOptimizer) -> dict[int, Tensor]:
     """Create the optimizer state torch would create lazily, so the graph can carry it.
 
-    Returns SGD's ``momentum_initialized`` flags by ``id(param)``: torch's first momentum
-    buffer is the gradient itself, so a buffer created here as zeros is marked uninitialised
-    (and the graph keeps the flag, so a skipped first step leaves it so).
+    Returns the zero momentum buffers created for SGD by ``id(param)``: torch's first momentum
+    buffer is the gradient itself, so such a buffer is marked uninitialised (see `_StepContext`).
     """
-    flags: dict[int, Tensor] = {}
+    created: dict[int, Tensor] = {}
     for plan, group in zip(fopt.plans(), optimizer.param_groups, strict=True):
         keys = fopt.state_keys(plan)
         for p in group["params"]:
             st = optimizer.state[p]
             if fopt.kind == "SGD":
-                if keys:
-                    flags[id(p)] = torch.tensor(st.get("momentum_buffer") is not None, device=p.device)
-                    if st.get("momentum_buffer") is None:
-                        st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif len(st) == 0:
+                if keys and st.get("momentum_buffer") is None:
+                    st["momentum_buffer"] = created[id(p)] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format)
+            elif any(k not in st for k in keys):
                 # on the parameter's device, so the step count never needs a host round trip
-                st["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
+                st.setdefault("step", torch.tensor(0.0, dtype=torch.float32, device=p.device))
                 for k in keys[1:]:
-                    st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return flags
+                    if k not in st:
+                        st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return created
 
 
 # ---- the traced step ---------------------------------------------------------------------------
 
 class _StepContext:
-    """What the intercepted optimizer calls read while dynamo traces: plain attributes only."""
+    """What the intercepted optimizer calls read while dynamo traces: plain attributes only.
+
+    SGD's ``momentum_initialized`` flags live here, not in ``optimizer.state`` (torch keeps no
+    such key): a zero buffer created by `_materialize_state` is uninitialised until the first
+    step that is not skipped; a buffer that replaced it (``optimizer.load_state_dict``) is taken
+    as initialised at the next call.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, fopt: FunctionalOptimizer, scaler: Any,
-                 config: DLSConfig, names: dict[int, str], flags: dict[int, Tensor]) -> None:
+                 config: DLSConfig) -> None:
         self.optimizer = optimizer
         self.fopt = fopt
         self.scaler = scaler
         self.config = config
-        self.names = names
-        self.flags = flags
-        device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
-        if scaler is not None and device is not None and scaler.state.loss_scale.device != device:
+        self.device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
+        if scaler is not None and self.device is not None and scaler.state.loss_scale.device != self.device:
             # the state must live beside the parameters: the step reads and writes it in-graph
-            scaler.state = scale_policy.ScalerState(*(t.to(device) for t in scaler.state))
-        self.state = scaler.state if scaler is not None else scale_policy.init_state(config, device)
+            scaler.state = scale_policy.ScalerState(*(t.to(self.device) for t in scaler.state))
+        self.state = scaler.state if scaler is not None else scale_policy.init_state(config, self.device)
+        self.flags: dict[int, Tensor] = {}
+        self._created: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (param, zero buffer)
+        self._signature: tuple | None = None
+        self._build()
+        self.refresh()
+
+    def _build(self) -> None:
+        """(Re)read the optimizer's structure: groups, parameters, static options, lazy state."""
+        opt = self.optimizer
+        self.names = _param_names(opt)
+        self.fopt = _functionalize(opt, self.names)  # parameters added since get names too
+        self.plans = self.fopt.plans()
+        self._signature = self.fopt.static_signature()
+        created = _materialize_state(opt, self.fopt)
+        for plan, group in zip(self.plans, opt.param_groups, strict=True):
+            for p in group["params"]:
+                if "momentum_initialized" in self.fopt.state_keys(plan) and id(p) not in self.flags:
+                    self.flags[id(p)] = torch.tensor(id(p) not in created, device=p.device)
+                if id(p) in created:
+                    self._created[id(p)] = (p, created[id(p)])
         # every hyperparameter is a live 0-d float64 tensor (a graph input, refreshed before each
         # call), so a scheduler changing lr or weight decay never recompiles; only the plans'
         # static options (momentum on/off, nesterov, amsgrad, ...) are baked into the graph
-        self.hyper = [{k: torch.zeros((), dtype=torch.float64, device=device) for k in fopt.hyper_keys()}
-                      for _ in optimizer.param_groups]
+        self.hyper = [{k: torch.zeros((), dtype=torch.float64, device=self.device)
+                       for k in self.fopt.hyper_keys()} for _ in opt.param_groups]
         # the traced code reads these copies, never param_groups itself: dynamo guards every
         # value of a dict it iterates, so reading a group would bake its values in as constants
-        self.params = [list(g["params"]) for g in optimizer.param_groups]
-        self.plans = fopt.plans()
-        self._signature = fopt.static_signature()
-        self.refresh()
+        self.params = [list(g["params"]) for g in opt.param_groups]
 
     def refresh(self) -> None:
-        signature = self.fopt.static_signature()
-        if signature != self._signature:  # a static option changed: the next call recompiles
-            self.plans, self._signature = self.fopt.plans(), signature
-        for hyper, group in zip(self.hyper, self.optimizer.param_groups, strict=True):
+        """Before each call: rebuild after a structural change (the call then recompiles),
+        pick up loaded state, and write the current hyperparameters into their tensors."""
+        opt = self.optimizer
+        if (len(opt.param_groups) != len(self.params)
+                or any(len(g["params"]) != len(ps) for g, ps in zip(opt.param_groups, self.params, strict=True))
+                or self.fopt.static_signature() != self._signature):
+            self._build()
+        for pid, (p, buf) in list(self._created.items()):
+            if opt.state[p].get("momentum_buffer") is not buf:  # replaced, e.g. by load_state_dict
+                self.flags[pid].fill_(True)
+                del self._created[pid]
+        for hyper, group in zip(self.hyper, opt.param_groups, strict=True):
             values = dict(group)
             if self.fopt.kind == "Adam":
                 values["beta1"], values["beta2"] = group["betas"]
@@ -293,6 +327,39 @@ def tag_aot_graph(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def write_updates_in_place(gm: fx.GraphModule) -> int:
+    """End the graph with ``copy_(placeholder, new)`` for every updated parameter and state.
+
+    AOTAutograd returns a training graph's input mutations as outputs and copies each one back
+    outside the graph, one eager ``copy_`` per parameter and state tensor per step. Written in
+    the graph, the updates land in the inputs' own storage (inside the fused update kernels
+    under inductor); the outputs become those inputs, so AOT's copy back is a copy of a tensor
+    onto itself, which does nothing. Run after ``apply_dls``: the passes read the functional
+    form. Returns the number of updates moved.
+    """
+    graph = gm.graph
+    source = {(roles.role_of(n), roles.target_of(n)): n for n in graph.find_nodes(op="placeholder")}
+    out = graph.output_node()
+    vals = roles.output_values(graph)
+    moved = 0
+    for i, (role, target) in enumerate(roles.output_roles(graph)):
+        ph = source.get((_SOURCE_OF.get(role), target))
+        v = vals[i]
+        if ph is None or v is ph or not isinstance(v, fx.Node):
+            continue
+        with graph.inserting_before(out):
+            vals[i] = graph.call_function(torch.ops.aten.copy_.default, (ph, v))
+        vals[i].meta["val"] = ph.meta.get("val")
+        moved += 1
+    out.args = (tuple(vals),)
+    graph.lint()
+    gm.recompile()
+    return moved
+
+
+_SOURCE_OF = {upd: src for src, upd in _UPDATE_OF.items()}
+
+
 def _make_fw_compiler(step: CompiledStep):
     from dlspass.passes import apply_dls
 
@@ -319,6 +386,7 @@ def _make_fw_compiler(step: CompiledStep):
             raise CompileError(f"a graph pass added input(s) {missing} that CompiledStep.extra_inputs "
                                f"does not provide (it provides: {sorted(step.extra_inputs)})")
         step.graphs.append(gm)
+        write_updates_in_place(gm)
         if not extra:
             return dynamo_backend.finish(gm, example_inputs, step.backend_compiler)
         providers = [step.extra_inputs[t] for t in extra]
@@ -362,12 +430,7 @@ class CompiledStep:
                  config: DLSConfig, backend_compiler: str,
                  graph_passes: Sequence[Callable[[fx.GraphModule], None]] = (),
                  process_group: Any = None, broadcast_params: bool = True) -> None:
-        names = {}
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, p in enumerate(group["params"]):
-                names[id(p)] = f"group{gi}.param{pi}"
-        fopt = _functionalize(optimizer, names)
-        flags = _materialize_state(optimizer, fopt)
+        fopt = _functionalize(optimizer, _param_names(optimizer))
         self.fn = fn
         self.optimizer = optimizer
         self.scaler = scaler
@@ -379,8 +442,7 @@ class CompiledStep:
         self.num_calls = 0
         self.process_group = _resolve_process_group(process_group)
         self._broadcast_pending = broadcast_params and self.process_group is not None
-        self._names = names
-        self._ctx = _StepContext(optimizer, fopt, scaler, config, names, flags)
+        self._ctx = _StepContext(optimizer, fopt, scaler, config)
         from torch._dynamo.backends.common import aot_autograd
 
         backend = aot_autograd(fw_compiler=_make_fw_compiler(self))
@@ -394,9 +456,10 @@ class CompiledStep:
         Graph targets are ``group{i}.param{j}``; with ``model`` the keys are the model's
         parameter names (``fc1.weight``), for parameters the optimizer updates.
         """
+        names = self._ctx.names
         if model is None:
-            return {t: t for t in self._names.values()}
-        return {n: self._names[id(p)] for n, p in model.named_parameters() if id(p) in self._names}
+            return {t: t for t in names.values()}
+        return {n: names[id(p)] for n, p in model.named_parameters() if id(p) in names}
 
     def _broadcast(self) -> None:
         import torch.distributed as dist
@@ -423,8 +486,11 @@ class CompiledStep:
         try:
             with torch._dynamo.config.patch(trace_autograd_ops=True):
                 out = self._compiled(*args, **kwargs)
+            # the step was this optimizer's step: LR schedulers check the flag to warn about
+            # lr_scheduler.step() before optimizer.step()
+            opt._opt_called = True  # type: ignore[attr-defined]
             if track:
-                self.scaler._after_compiled_step(skipped)
+                self.scaler._after_compiled_step(skipped, opt)
             return out
         except torch._dynamo.exc.Unsupported as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -460,10 +460,12 @@ class GradScaler:
         if self._updates % FLOOR_CHECK_EVERY == 0:
             self._check_floor()
 
-    def _after_compiled_step(self, skipped_before: Tensor) -> None:
+    def _after_compiled_step(self, skipped_before: Tensor, optimizer: torch.optim.Optimizer) -> None:
         """Bookkeeping ``update()`` does, for a step whose graph updated ``state`` in place
-        (``dlspass.compile``): the overflow flag, read from the skip counter on the device."""
+        (``dlspass.compile``): the overflow flag, read from the skip counter on the device,
+        and whether ``optimizer`` stepped (for `stepped` and `hold_scheduler_on_skip`)."""
         self._found_inf = self.state.num_skipped_steps != skipped_before
+        self._last_stepped = {id(optimizer): ~self._found_inf}
         self._updates += 1
         if self._updates % FLOOR_CHECK_EVERY == 0:
             self._check_floor()

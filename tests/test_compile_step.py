@@ -308,6 +308,36 @@ def test_inductor_fuses_the_dls_tail(build):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_inductor_step_updates_in_place_and_skips_bit_identically():
+    torch._dynamo.reset()
+    scaler = _scaler()
+    model, _, opt, step = _compiled_mlp(torch.optim.Adam, {"lr": 1e-2}, scaler,
+                                        mixed_precision=False, backend_compiler="inductor")
+    x, y = _batches(1)[0]
+    step(x, y)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    before = [p.detach().clone() for p in model.parameters()]
+    state = [v.clone() for p in model.parameters() for v in opt.state[p].values()]
+    bad = x.clone()
+    bad[0, 1] = float("inf")
+    step(bad, y)
+    assert bool(scaler.found_inf)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+    assert all(torch.equal(a, b) for a, b in zip(
+        [v for p in model.parameters() for v in opt.state[p].values()], state, strict=True))
+    step(x, y)
+    assert not bool(scaler.found_inf)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs  # written in place
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    # the graph ends with one copy_ into each parameter and optimizer-state input
+    gm = step.graphs[-1]
+    copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    dests = {roles.role_of(n.args[0]) for n in copies}
+    assert dests == {roles.PARAM, roles.OPT_STATE, roles.SCALER_STATE}
+    assert len([n for n in copies if roles.role_of(n.args[0]) == roles.PARAM]) == len(list(model.parameters()))
+
+
 def test_count_kernels_reads_launches_in_call_only():
     code = (
         "cpp_fused_a_0 = async_compile.cpp_pybinding(['float*'], r\'\'\'...\'\'\')\n"
@@ -371,3 +401,59 @@ def test_config_conflicts_and_bad_options():
                            fp16_type="float16", max_gradient_norm=1.0)
     assert step.config.max_gradient_norm == 1.0 and step.config.fp16_type == "float16"
     assert inspect.signature(step) == inspect.signature(train_step)
+
+
+def test_held_scheduler_follows_compiled_skips_without_warning():
+    import warnings
+
+    torch._dynamo.reset()
+    scaler = _scaler()
+    model, _, opt, step = _compiled_mlp(torch.optim.SGD, {"lr": 0.1}, scaler, mixed_precision=False)
+    held = dlspass.hold_scheduler_on_skip(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), scaler)
+    advanced = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns on lr_scheduler.step() before optimizer.step()
+        for i, (x, y) in enumerate(_batches(6)):
+            step(x, y)
+            assert held.step() == (i not in OVERFLOW_STEPS)
+            advanced += i not in OVERFLOW_STEPS
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**advanced)
+
+
+def _sgd_pair(kw):
+    scaler = _scaler()
+    model, reference, opt, step = _compiled_mlp(torch.optim.SGD, kw, scaler, mixed_precision=False)
+    return model, reference, opt, step, torch.optim.SGD(reference.parameters(), **kw), _scaler()
+
+
+def test_sgd_state_loaded_after_compile_is_used():
+    torch._dynamo.reset()
+    kw = {"lr": 0.05, "momentum": 0.9, "dampening": 0.3}
+    model, reference, opt, step, ref_opt, ref_scaler = _sgd_pair(kw)
+    # the reference takes two eager steps; the compiled step then resumes from its checkpoint
+    for x, y in _batches(2, seed=11):
+        _eager_step(reference, ref_opt, ref_scaler, x, y)
+    # state_dict() hands out the live tensors and load_state_dict keeps them when dtype and
+    # device agree: copies, or the compiled step's in-place update would move the reference too
+    model.load_state_dict(reference.state_dict())
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    step.scaler.load_state_dict(copy.deepcopy(ref_scaler.state_dict()))
+    for x, y in _batches(3, seed=12):
+        step(x, y)
+        _eager_step(reference, ref_opt, ref_scaler, x, y)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_switched_on_after_compile_recompiles_and_matches_torch():
+    torch._dynamo.reset()
+    model, reference, opt, step, ref_opt, ref_scaler = _sgd_pair({"lr": 0.05, "dampening": 0.2})
+    batches = _batches(5, seed=13)
+    for i, (x, y) in enumerate(batches):
+        if i == 2:
+            for g in (opt.param_groups[0], ref_opt.param_groups[0]):
+                g["momentum"] = 0.9
+        step(x, y)
+        _eager_step(reference, ref_opt, ref_scaler, x, y)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -5,6 +5,8 @@ kernels, eager code directly), ``compiled kernels`` (the rest of the time inside
 regions: inductor's generated kernels and wrapper), ``eager ops`` (aten ops outside compiled
 regions: the eager optimizer, the scaler, zero_grad), and ``host`` (the step's wall time not
 spent in any profiled op: Python, dynamo guards, autograd bookkeeping, waiting).
+
+CPU only: on a GPU the profiled times are launch times (no device activity, no synchronize).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def _in_compiled(ev) -> bool:  # noqa: ANN001 - torch.autograd.profiler_util.Fun
 
 
 def breakdown(step: Callable, batch: tuple, steps: int = 5) -> dict[str, float]:
-    """Milliseconds per step in each of ``BUCKETS`` (they add up to the wall time)."""
+    """Milliseconds per step in each of ``BUCKETS``, and ``wall``; ``host`` is what the other
+    buckets leave of the wall time (clamped at 0)."""
     step(*batch)  # warm
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
@@ -40,8 +43,8 @@ def breakdown(step: Callable, batch: tuple, steps: int = 5) -> dict[str, float]:
         us = ev.self_cpu_time_total
         if ev.name in MATMULS:
             matmul += us
-        if ev.cpu_parent is None and _in_compiled(ev):
-            # top-level events only, with their children: nested regions count once
+        if _in_compiled(ev) and not _in_compiled(ev.cpu_parent):
+            # the outermost compiled event of a chain, with its children: nested regions once
             compiled_total += ev.cpu_time_total
         elif ev.name.startswith("aten::") and not _in_compiled(ev):
             eager += us
