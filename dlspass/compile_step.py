@@ -5,19 +5,22 @@ The user writes an ordinary eager step (forward, ``loss.backward()``, ``optimize
 with ``trace_autograd_ops`` on and without ``torch.optim``'s own ``step`` (it graph-breaks on
 purpose), so while the compiled step runs:
 
-1. ``optimizer.step`` / ``optimizer.zero_grad`` are replaced on the instance by a pure
-   functional update (SGD, Adam, AdamW) that reads the learning rate from 0-d tensors (graph
-   inputs: a scheduler changing lr does not recompile) and writes parameters, optimizer state
-   and the (passed-through) scaler state back in place, which AOTAutograd turns into graph
-   outputs;
+1. ``optimizer.step`` / ``optimizer.zero_grad`` are replaced on the instance by torch.optim's
+   math in functional form (``dlspass.capture.optim.update_one``: SGD, Adam, AdamW) that reads
+   the hyperparameters from 0-d float64 tensors (graph inputs: a scheduler changing lr does not
+   recompile) and writes parameters, optimizer state and the (passed-through) scaler state back
+   in place, which AOTAutograd turns into graph outputs;
 2. parameters, gradients, optimizer state, scaler state, hyperparameters and updates are
    wrapped in ``dlspass.marks.mark`` so the AOTAutograd graph carries roles;
 3. the AOT forward compiler (``tag_aot_graph``) moves those roles onto placeholders and
    outputs, tags the backward seed (the ``ones_like(loss)`` every gradient depends on) and runs
    ``dlspass.passes.apply_dls``: 16-bit lowering, seed scaling, unscale and overflow check,
    clipping, ``where``-guarded updates (a skipped step leaves parameters and optimizer state
-   bit-identical, with no clones) and the scale update, all on device with no host sync; the
-   graph then goes to inductor (or runs as is with ``backend_compiler="eager"``).
+   bit-identical, with no clones) and the scale update, all on device with no host sync;
+4. ``write_updates_in_place`` ends the graph with ``copy_`` into each updated input, so the
+   updates land in the parameters' own storage inside the fused kernels instead of being
+   copied back one tensor at a time by AOTAutograd; the graph then goes to inductor (or runs
+   as is with ``backend_compiler="eager"``).
 
 Hooks on that AOT graph: ``graph_passes`` run between tagging and ``apply_dls`` and may add
 inputs that the step feeds at every call (``CompiledStep.extra_inputs``; fault injection uses
@@ -539,6 +542,10 @@ def compile(  # noqa: A001 - the public verb is dlspass.compile
     ``fn`` must call ``loss.backward()``, ``optimizer.step()`` and ``optimizer.zero_grad()`` and
     return ``loss.detach()`` (or other detached values). Model parameters, optimizer state and
     ``scaler.state`` are updated in place on every call; on overflow the step is skipped.
+    The optimizer math is torch.optim's (``dlspass.capture.optim``); every hyperparameter is a
+    graph input read at each call (an LR scheduler never recompiles), while changing a static
+    option (momentum on/off, nesterov, amsgrad, adding a param group) recompiles.
+    ``scaler.found_inf`` and ``scaler.stepped(optimizer)`` follow each call without a host sync.
     ``mixed_precision=False`` keeps the step in float32 (DLS without lowering).
     ``backend_compiler="eager"`` runs the rewritten graph without inductor (fast, for tests).
 

@@ -93,6 +93,15 @@ def _op_name(node: Any) -> str:
     return node.op
 
 
+def _converts(node: Any) -> bool:
+    import torch
+
+    from .formats import _is_round_node
+
+    return _is_round_node(node) or node.target in (
+        torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+
+
 def _cast_key(node: Any) -> str:
     from .formats import _is_round_node, _node_args
 
@@ -117,7 +126,7 @@ def _summarize_fx(gm: Any) -> dict[str, Any]:
             hist[op] += 1
         if by is not None:
             inserted[by] += 1
-        if role == roles.CAST:
+        if role == roles.CAST and _converts(node):  # not the views replayed on a cast value
             casts[_cast_key(node)] += 1
         if role is not None:
             role_rows.append({"node": node.name, "role": role, "target": target, "pass": by})
