@@ -53,6 +53,18 @@ def _compiled_mlp(opt_cls, opt_kw, scaler, **compile_kw):
     return model, reference, opt, step
 
 
+def _train_both(step, reference, ref_opt, ref_scaler, batches) -> None:
+    """The compiled step and the eager dlspass GradScaler loop, side by side."""
+    for x, y in batches:
+        step(x, y)
+        _eager_step(reference, ref_opt, ref_scaler, x, y)
+
+
+def _assert_same_params(model, reference) -> None:
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def _eager_step(model, opt, scaler, x, y) -> torch.Tensor:
     loss = F.mse_loss(model(x), y)
     scaler.scale(loss).backward()
@@ -213,11 +225,8 @@ def test_max_gradient_norm_matches_eager_scaler():
                                                 mixed_precision=False)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     ref_scaler = _scaler(max_gradient_norm=0.05)
-    for x, y in _batches(6):
-        step(x, y)
-        _eager_step(reference, ref_opt, ref_scaler, x, y)
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _train_both(step, reference, ref_opt, ref_scaler, _batches(6))
+    _assert_same_params(model, reference)
 
 
 def test_static_scale_and_no_scaler_match_eager():
@@ -238,13 +247,9 @@ def test_static_scale_and_no_scaler_match_eager():
         assert len(seeds) == (1 if scaler is not None else 0)
 
 
-@pytest.mark.parametrize("fp16_type", ["float16", "cbfloat16"])
-def test_emulated_16bit_trains_tinygpt(fp16_type):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=16, d=16, n_layer=1, n_head=2, block_size=8)
+def _gpt_step(model, scaler, **compile_kw):
+    """The GPT training step with AdamW, through dlspass.compile."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = dlspass.GradScaler(loss_scale="dynamic", fp16_type=fp16_type)
 
     def train_step(idx, targets):
         loss = gpt_loss(model, (idx, targets))
@@ -253,7 +258,16 @@ def test_emulated_16bit_trains_tinygpt(fp16_type):
         opt.zero_grad()
         return loss.detach()
 
-    step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, backend_compiler="eager")
+    return dlspass.compile(train_step, optimizer=opt, scaler=scaler, **compile_kw)
+
+
+@pytest.mark.parametrize("fp16_type", ["float16", "cbfloat16"])
+def test_emulated_16bit_trains_tinygpt(fp16_type):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=16, d=16, n_layer=1, n_head=2, block_size=8)
+    scaler = dlspass.GradScaler(loss_scale="dynamic", fp16_type=fp16_type)
+    step = _gpt_step(model, scaler, backend_compiler="eager")
     batch = copy_task_batch(16, 8, 8, torch.Generator().manual_seed(0))
     losses = [float(step(*batch)) for _ in range(30)]  # one batch: the model must fit it
     assert losses[-1] < 0.6 * losses[0], losses
@@ -266,19 +280,10 @@ def test_emulated_16bit_trains_tinygpt(fp16_type):
 def _compiled_gpt(scaler):
     """The benchmark's anchor step (tools/bench/bench_compile.py): compile time is that of any
     2-block GPT, and inductor's fusion choices depend on the shapes, so the bound is checked at
-    the anchor's own (at d=32, seq 16 DLS adds 5 launches; RESULTS.md records both)."""
+    the anchor's own (at d=32, seq 16 DLS adds 5 launches; tools/bench/RESULTS.md has both)."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=128, n_layer=2, n_head=2, block_size=64)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def train_step(idx, targets):
-        loss = gpt_loss(model, (idx, targets))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, mixed_precision=False)
+    step = _gpt_step(model, scaler, mixed_precision=False)
     return model, step, copy_task_batch(64, 16, 64, torch.Generator().manual_seed(0))
 
 
@@ -438,11 +443,8 @@ def test_sgd_state_loaded_after_compile_is_used():
     model.load_state_dict(reference.state_dict())
     opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
     step.scaler.load_state_dict(copy.deepcopy(ref_scaler.state_dict()))
-    for x, y in _batches(3, seed=12):
-        step(x, y)
-        _eager_step(reference, ref_opt, ref_scaler, x, y)
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _train_both(step, reference, ref_opt, ref_scaler, _batches(3, seed=12))
+    _assert_same_params(model, reference)
 
 
 def test_momentum_switched_on_after_compile_recompiles_and_matches_torch():
@@ -453,7 +455,5 @@ def test_momentum_switched_on_after_compile_recompiles_and_matches_torch():
         if i == 2:
             for g in (opt.param_groups[0], ref_opt.param_groups[0]):
                 g["momentum"] = 0.9
-        step(x, y)
-        _eager_step(reference, ref_opt, ref_scaler, x, y)
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        _train_both(step, reference, ref_opt, ref_scaler, [(x, y)])
+    _assert_same_params(model, reference)

@@ -42,6 +42,7 @@ from breakdown import BUCKETS, breakdown  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "compile.md"
 GOALS = {"plain": ("dls / plain", 1.02), "torch": ("dls / torch", 1.0), "cb16": ("cb16 / dls", 1.2)}
 MAX_EXTRA_LAUNCHES = 4
+BREAKDOWN_RUNS = 5
 # (d, block size, batch): the anchor, and a small size for smoke runs
 SIZES = {"anchor": (128, 64, 16), "small": (32, 16, 4)}
 SIZE = SIZES["anchor"]
@@ -138,8 +139,13 @@ def run(repeats: int = 15, steps: int = 3) -> dict[str, dict[str, float]]:
             samples[name].append(_time(step, batch, steps))
     for name, vals in samples.items():
         results[name]["median_ms"] = 1e3 * statistics.median(vals)
-    for name in ("dls", "torch"):
-        results[name].update({f"bd:{k}": v for k, v in breakdown(fns[name], batch).items()})
+    # one profiled run is at the mercy of a noisy machine: medians of interleaved runs
+    runs: dict[str, list[dict[str, float]]] = {"dls": [], "torch": []}
+    for _ in range(BREAKDOWN_RUNS):
+        for name in runs:
+            runs[name].append(breakdown(fns[name], batch))
+    for name, rs in runs.items():
+        results[name].update({f"bd:{k}": statistics.median(r[k] for r in rs) for k in rs[0]})
     return results
 
 
@@ -194,7 +200,8 @@ def report(results: dict[str, dict[str, float]], command: str, repeats: int, ste
     for key, (label, goal) in GOALS.items():
         status = "ok" if ratios[key] <= goal else "MISS"
         lines.append(f"| {label} | {ratios[key]:.3f} | <= {goal} | {status} |")
-    lines += ["", "Where the time goes (ms per step, one profiled run of 5 steps after the timing; "
+    lines += ["", f"Where the time goes (ms per step: medians of {BREAKDOWN_RUNS} interleaved profiled "
+              "runs of 5 steps after the timing; profiling adds host time; "
               "`tools/bench/breakdown.py`):", "",
               "| config | " + " | ".join(BUCKETS) + " | wall |", "|---" * (len(BUCKETS) + 2) + "|"]
     for name in ("dls", "torch"):
