@@ -308,9 +308,12 @@ def test_inductor_fuses_the_dls_tail(build):
     # the DLS tail (unscale, check, scale update, guarded update) costs at most 4 kernel launches
     assert counts["dls"].launches - counts["plain"].launches <= 4, counts
     assert counts["dls"].extern_launches == counts["plain"].extern_launches, counts
-    # with a finite batch the DLS step must land where the plain step lands
+    # with a finite batch the DLS step must land where the plain step lands. The two graphs fuse
+    # differently, so gradients differ in summation order; Adam's first step divides g by |g|,
+    # which turns that into up to ~1e-4 lr for gradients near eps: allow 1e-3 lr (a skipped or
+    # wrong update is off by about lr)
     for a, b in zip(params["dls"], params["plain"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_inductor_step_updates_in_place_and_skips_bit_identically():
