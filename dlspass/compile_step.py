@@ -153,6 +153,9 @@ def _materialize_state(optimizer: torch.optim.Optimizer, fopt: FunctionalOptimiz
 class _StepContext:
     """What the intercepted optimizer calls read while dynamo traces: plain attributes only.
 
+    Built at the first call (so a model moved with ``.to()`` after ``dlspass.compile`` gets its
+    state where it lives) and rebuilt before any call that finds the optimizer's structure
+    changed or its state missing (``load_state_dict`` of a fresh checkpoint, a state reset).
     SGD's ``momentum_initialized`` flags live here, not in ``optimizer.state`` (torch keeps no
     such key): a zero buffer created by `_materialize_state` is uninitialised until the first
     step that is not skipped; a buffer that replaced it (``optimizer.load_state_dict``) is taken
@@ -165,20 +168,23 @@ class _StepContext:
         self.fopt = fopt
         self.scaler = scaler
         self.config = config
-        self.device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
-        if scaler is not None and self.device is not None and scaler.state.loss_scale.device != self.device:
-            # the state must live beside the parameters: the step reads and writes it in-graph
-            scaler.state = scale_policy.ScalerState(*(t.to(self.device) for t in scaler.state))
-        self.state = scaler.state if scaler is not None else scale_policy.init_state(config, self.device)
+        self.names = _param_names(optimizer)
         self.flags: dict[int, Tensor] = {}
         self._created: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (param, zero buffer)
         self._signature: tuple | None = None
-        self._build()
-        self.refresh()
+        self.params: list[list[Tensor]] = []
+        self.state: Any = None
 
     def _build(self) -> None:
         """(Re)read the optimizer's structure: groups, parameters, static options, lazy state."""
         opt = self.optimizer
+        device = next((p.device for g in opt.param_groups for p in g["params"]), None)
+        scaler = self.scaler
+        if scaler is not None and device is not None and scaler.state.loss_scale.device != device:
+            # the state must live beside the parameters: the step reads and writes it in-graph
+            scaler.state = scale_policy.ScalerState(*(t.to(device) for t in scaler.state))
+        if scaler is None and (self.state is None or self.state.loss_scale.device != device):
+            self.state = scale_policy.init_state(self.config, device)
         self.names = _param_names(opt)
         self.fopt = _functionalize(opt, self.names)  # parameters added since get names too
         self.plans = self.fopt.plans()
@@ -186,26 +192,37 @@ class _StepContext:
         created = _materialize_state(opt, self.fopt)
         for plan, group in zip(self.plans, opt.param_groups, strict=True):
             for p in group["params"]:
-                if "momentum_initialized" in self.fopt.state_keys(plan) and id(p) not in self.flags:
-                    self.flags[id(p)] = torch.tensor(id(p) not in created, device=p.device)
+                if "momentum_initialized" in self.fopt.state_keys(plan):
+                    if id(p) in created or id(p) not in self.flags:
+                        self.flags[id(p)] = torch.tensor(id(p) not in created, device=p.device)
                 if id(p) in created:
                     self._created[id(p)] = (p, created[id(p)])
         # every hyperparameter is a live 0-d float64 tensor (a graph input, refreshed before each
         # call), so a scheduler changing lr or weight decay never recompiles; only the plans'
         # static options (momentum on/off, nesterov, amsgrad, ...) are baked into the graph
-        self.hyper = [{k: torch.zeros((), dtype=torch.float64, device=self.device)
+        self.hyper = [{k: torch.zeros((), dtype=torch.float64, device=device)
                        for k in self.fopt.hyper_keys()} for _ in opt.param_groups]
         # the traced code reads these copies, never param_groups itself: dynamo guards every
         # value of a dict it iterates, so reading a group would bake its values in as constants
         self.params = [list(g["params"]) for g in opt.param_groups]
 
-    def refresh(self) -> None:
-        """Before each call: rebuild after a structural change (the call then recompiles),
-        pick up loaded state, and write the current hyperparameters into their tensors."""
+    def _stale(self) -> bool:
         opt = self.optimizer
-        if (len(opt.param_groups) != len(self.params)
-                or any(len(g["params"]) != len(ps) for g, ps in zip(opt.param_groups, self.params, strict=True))
+        if (self._signature is None or len(opt.param_groups) != len(self.params)
+                or any(len(g["params"]) != len(ps) or any(a is not b for a, b in zip(g["params"], ps, strict=False))
+                       for g, ps in zip(opt.param_groups, self.params, strict=True))
                 or self.fopt.static_signature() != self._signature):
+            return True
+        keys = [self.fopt.state_keys(plan) for plan in self.plans]
+        return any(k not in opt.state.get(p, ()) for ks, ps in zip(keys, self.params, strict=True)
+                   for p in ps for k in ks if k != "momentum_initialized")
+
+    def refresh(self) -> None:
+        """Before each call: (re)build when the optimizer's structure changed or its state is
+        missing (the call then may recompile), pick up loaded momentum, and write the current
+        hyperparameters into their tensors."""
+        opt = self.optimizer
+        if self._stale():
             self._build()
         for pid, (p, buf) in list(self._created.items()):
             if opt.state[p].get("momentum_buffer") is not buf:  # replaced, e.g. by load_state_dict

@@ -460,3 +460,22 @@ def test_momentum_switched_on_after_compile_recompiles_and_matches_torch():
                 g["momentum"] = 0.9
         _train_both(step, reference, ref_opt, ref_scaler, [(x, y)])
     _assert_same_params(model, reference)
+
+
+@pytest.mark.parametrize("opt_cls,opt_kw", [(torch.optim.Adam, {"lr": 1e-2}),
+                                            (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9,
+                                                               "dampening": 0.3})],
+                         ids=["adam", "sgd"])
+def test_state_reset_by_a_fresh_checkpoint_mid_training(opt_cls, opt_kw):
+    torch._dynamo.reset()
+    scaler = _scaler()
+    model, reference, opt, step = _compiled_mlp(opt_cls, opt_kw, scaler, mixed_precision=False)
+    ref_opt, ref_scaler = opt_cls(reference.parameters(), **opt_kw), _scaler()
+    # a checkpoint taken before any step holds no state: loading it mid-run resets the optimizer
+    fresh = copy.deepcopy(opt_cls(copy.deepcopy(model).parameters(), **opt_kw).state_dict())
+    batches = _batches(4, seed=21)
+    _train_both(step, reference, ref_opt, ref_scaler, batches[:2])
+    opt.load_state_dict(copy.deepcopy(fresh))
+    ref_opt.load_state_dict(copy.deepcopy(fresh))
+    _train_both(step, reference, ref_opt, ref_scaler, batches[2:])
+    _assert_same_params(model, reference)
