@@ -162,10 +162,9 @@ class _StepContext:
     as initialised at the next call.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, fopt: FunctionalOptimizer, scaler: Any,
-                 config: DLSConfig) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: Any, config: DLSConfig) -> None:
         self.optimizer = optimizer
-        self.fopt = fopt
+        self.fopt: FunctionalOptimizer | None = None  # set by _build, at the first call
         self.scaler = scaler
         self.config = config
         self.names = _param_names(optimizer)
@@ -311,6 +310,7 @@ def find_seed(graph: fx.Graph) -> fx.Node:
 
 _UPDATE_OF = {roles.PARAM: roles.PARAM_UPDATE, roles.OPT_STATE: roles.OPT_STATE_UPDATE,
               roles.SCALER_STATE: roles.SCALER_STATE_UPDATE}
+_SOURCE_OF = {upd: src for src, upd in _UPDATE_OF.items()}
 
 
 def tag_aot_graph(gm: fx.GraphModule) -> None:
@@ -376,8 +376,6 @@ def write_updates_in_place(gm: fx.GraphModule) -> int:
     gm.recompile()
     return moved
 
-
-_SOURCE_OF = {upd: src for src, upd in _UPDATE_OF.items()}
 
 
 def _make_fw_compiler(step: CompiledStep):
@@ -450,7 +448,7 @@ class CompiledStep:
                  config: DLSConfig, backend_compiler: str,
                  graph_passes: Sequence[Callable[[fx.GraphModule], None]] = (),
                  process_group: Any = None, broadcast_params: bool = True) -> None:
-        fopt = _functionalize(optimizer, _param_names(optimizer))
+        _functionalize(optimizer, _param_names(optimizer))  # an unsupported optimizer fails here
         self.fn = fn
         self.optimizer = optimizer
         self.scaler = scaler
@@ -462,7 +460,7 @@ class CompiledStep:
         self.num_calls = 0
         self.process_group = _resolve_process_group(process_group)
         self._broadcast_pending = broadcast_params and self.process_group is not None
-        self._ctx = _StepContext(optimizer, fopt, scaler, config)
+        self._ctx = _StepContext(optimizer, scaler, config)
         from torch._dynamo.backends.common import aot_autograd
 
         backend = aot_autograd(fw_compiler=_make_fw_compiler(self))

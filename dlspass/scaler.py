@@ -456,9 +456,7 @@ class GradScaler:
                 num_skipped_steps=s.num_skipped_steps + (~ok).to(torch.int64))
         else:
             self.state = update_state(self.state, ok, self._cfg)
-        self._updates += 1
-        if self._updates % FLOOR_CHECK_EVERY == 0:
-            self._check_floor()
+        self._count_update()
 
     def _after_compiled_step(self, skipped_before: Tensor, optimizer: torch.optim.Optimizer) -> None:
         """Bookkeeping ``update()`` does, for a step whose graph updated ``state`` in place
@@ -466,6 +464,10 @@ class GradScaler:
         and whether ``optimizer`` stepped (for `stepped` and `hold_scheduler_on_skip`)."""
         self._found_inf = self.state.num_skipped_steps != skipped_before
         self._last_stepped = {id(optimizer): ~self._found_inf}
+        self._count_update()
+
+    def _count_update(self) -> None:
+        # the scale-floor check reads the device state: every FLOOR_CHECK_EVERY iterations only
         self._updates += 1
         if self._updates % FLOOR_CHECK_EVERY == 0:
             self._check_floor()

@@ -98,9 +98,7 @@ class LowerPrecisionPass(DLSPass):
                 elif _whole_view_of_f32(x):
                     # round the viewed tensor once and replay the view on it: a weight read as
                     # t(w) in the forward and as w in the backward is rounded once, not twice
-                    src = round_input(x.args[0], op)
-                    rounded[x] = insert_op(graph, x.target, (src, *x.args[1:]), dict(x.kwargs),
-                                           before=op, role=roles.CAST, by_pass=self.name)
+                    rounded[x] = self._replay_view(graph, x, round_input(x.args[0], op), op)
                 else:
                     rounded[x] = insert_op(graph, rnd, (x, self.fmt, False, False), before=op,
                                            role=roles.CAST, by_pass=self.name)
@@ -118,6 +116,11 @@ class LowerPrecisionPass(DLSPass):
             for y in _outputs(op):
                 round_output(y)
 
+    def _replay_view(self, graph: fx.Graph, view: fx.Node, src: fx.Node, op: fx.Node) -> fx.Node:
+        """``view``'s op applied to the converted ``src`` instead of its own input, before ``op``."""
+        return insert_op(graph, view.target, (src, *view.args[1:]), dict(view.kwargs), before=op,
+                         role=roles.CAST, by_pass=self.name)
+
     # -- native: convert_element_type to the 16-bit dtype around the op and back --------------
     def _native(self, graph: fx.Graph, targets: list[fx.Node]) -> None:
         dtype = NATIVE_DTYPES[self.fmt]
@@ -127,9 +130,7 @@ class LowerPrecisionPass(DLSPass):
         def to16(x: fx.Node, op: fx.Node) -> fx.Node:
             if x not in down:
                 if _whole_view_of_f32(x):  # cast the viewed tensor once, as in _emulate
-                    down[x] = insert_op(graph, x.target, (to16(x.args[0], op), *x.args[1:]),
-                                        dict(x.kwargs), before=op, role=roles.CAST,
-                                        by_pass=self.name)
+                    down[x] = self._replay_view(graph, x, to16(x.args[0], op), op)
                 else:
                     down[x] = insert_op(graph, cet, (x, dtype), before=op, role=roles.CAST,
                                         by_pass=self.name)
@@ -148,6 +149,7 @@ class LowerPrecisionPass(DLSPass):
 
 
 def _whole_view_of_f32(x: fx.Node) -> bool:
+    """``x`` is a WHOLE_VIEW_OPS view of a float32 value (converting its source converts it)."""
     src = x.args[0] if x.op == "call_function" and x.target in WHOLE_VIEW_OPS and x.args else None
     return isinstance(src, fx.Node) and _is_f32(src)
 

@@ -38,18 +38,18 @@ def breakdown(step: Callable, batch: tuple, steps: int = 5) -> dict[str, float]:
         for _ in range(steps):
             step(*batch)
         wall = (time.perf_counter() - t0) * 1e3 / steps
-    matmul = compiled_total = eager = 0.0
+    matmul = matmul_in_compiled = compiled_total = eager = 0.0
     for ev in prof.events():
         us = ev.self_cpu_time_total
+        compiled = _in_compiled(ev)
         if ev.name in MATMULS:
             matmul += us
-        if _in_compiled(ev) and not _in_compiled(ev.cpu_parent):
+            matmul_in_compiled += us if compiled else 0.0
+        if compiled and not _in_compiled(ev.cpu_parent):
             # the outermost compiled event of a chain, with its children: nested regions once
             compiled_total += ev.cpu_time_total
-        elif ev.name.startswith("aten::") and not _in_compiled(ev):
+        elif ev.name.startswith("aten::") and not compiled:
             eager += us
-    matmul_in_compiled = sum(ev.self_cpu_time_total for ev in prof.events()
-                             if ev.name in MATMULS and _in_compiled(ev))
     out = {
         "matmul": matmul / 1e3 / steps,
         "compiled kernels": max(compiled_total - matmul_in_compiled, 0.0) / 1e3 / steps,
