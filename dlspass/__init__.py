@@ -8,6 +8,8 @@ Public verbs (importing ``dlspass`` stays light: heavy modules load on first use
 - ``compile``: the whole training step compiled by inductor as one graph, DLS included.
 - ``verify``: prove a rewritten graph's DLS invariants (raises ``VerificationError``).
 - ``formats`` / ``round_to_format``: float16, bfloat16 and cbfloat16 rounding.
+- ``DLSPassError``: the root of every exception dlspass raises; ``DLSInputError`` (bad input)
+  and ``DLSInternalError`` (a broken contract) are its two families.
 
 Example:
     >>> import torch, dlspass
@@ -28,6 +30,7 @@ import importlib
 from typing import Any
 
 from .config import ConfigError, DLSConfig
+from .errors import DLSInputError, DLSInternalError, DLSPassError
 
 __version__ = "0.1.0"
 
@@ -51,7 +54,9 @@ _LAZY = {
     "make_backend": "dlspass.dynamo_backend",
 }
 
-__all__ = ["ConfigError", "DLSConfig", *_LAZY]
+__all__ = [
+    "ConfigError", "DLSConfig", "DLSInputError", "DLSInternalError", "DLSPassError", *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,12 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import DLSInputError
+
 FORMAT = "dlspass-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^(?P<stem>.+)-(?P<step>\d+)\.pt$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DLSInputError, ValueError):
     """A checkpoint file is missing, damaged or not a dlspass checkpoint (one-line message)."""
 
 

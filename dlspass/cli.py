@@ -17,10 +17,11 @@ from typing import Annotated, Any
 import typer
 
 from .config import ConfigError
+from .errors import DLSInputError
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 # Exceptions that mean "the input is wrong": one line on stderr and exit 2.
-_BAD_INPUT = (ConfigError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+_BAD_INPUT = (DLSInputError, ConfigError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
               PermissionError)
 
 _HELP = """Dynamic loss scaling for mixed-precision training, as compiler passes on PyTorch graphs.

@@ -43,13 +43,14 @@ from torch import Tensor
 from . import roles, scale_policy
 from .capture.optim import FunctionalOptimizer, UnsupportedOptimizerError, functionalize, update_one
 from .config import ConfigError, DLSConfig
+from .errors import DLSInputError
 from .marks import mark, resolve_marks
 
 BACKEND_COMPILERS = ("inductor", "eager")
 SUPPORTED_OPTIMIZERS = ("torch.optim.SGD", "torch.optim.Adam", "torch.optim.AdamW")
 
 
-class CompileError(RuntimeError):
+class CompileError(DLSInputError, RuntimeError):
     """The training step cannot be compiled as one dlspass graph; the message says why."""
 
 

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .errors import DLSInputError
+
 FP16_TYPES = ("float16", "bfloat16", "cbfloat16")
 POLICIES = ("cerebras", "torch", "deepspeed", "megatron", "keras")
 FLOAT32_MAX = 3.4028234663852886e38
@@ -20,7 +22,7 @@ Policy = Literal["cerebras", "torch", "deepspeed", "megatron", "keras"]
 FP16Type = Literal["float16", "bfloat16", "cbfloat16"]
 
 
-class ConfigError(ValueError):
+class ConfigError(DLSInputError, ValueError):
     """A DLS configuration value is invalid; the message names the key."""
 
 

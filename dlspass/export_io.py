@@ -42,13 +42,14 @@ from torch import Tensor
 
 from . import roles
 from .config import DLSConfig
+from .errors import DLSInputError
 
 META_FILE = "dlspass.json"
 FORMAT_VERSION = 1
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
-class InputError(ValueError):
+class InputError(DLSInputError, ValueError):
     """The input file, factory or option is unusable; the message is one line naming it."""
 
 

@@ -44,6 +44,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from . import roles
+from .errors import DLSInputError
 
 FAULT = "fault"  # role of the nodes inject_faults inserts
 FAULT_STEP = "fault_step"  # target of the step-counter placeholder
@@ -51,7 +52,7 @@ KINDS = ("grad", "activation", "loss")
 VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
-class FaultError(ValueError):
+class FaultError(DLSInputError, ValueError):
     """A fault names something that does not exist or is not a fault (the message says which)."""
 
 

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from . import distributed, scale_policy
 from .config import DLSConfig
+from .errors import DLSPassError
 from .scale_policy import (
     STATE_DTYPES,
     STATE_FIELDS,
@@ -78,7 +79,7 @@ class ScaleFloorWarning(RuntimeWarning):
     """The loss scale keeps hitting ``min_loss_scale`` while gradients still overflow."""
 
 
-class ScaleFloorError(RuntimeError):
+class ScaleFloorError(DLSPassError, RuntimeError):
     """Raised instead of `ScaleFloorWarning` when ``on_scale_floor="raise"``."""
 
 

@@ -17,9 +17,10 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import roles
+from .errors import DLSInternalError
 
 
-class SpliceError(RuntimeError):
+class SpliceError(DLSInternalError, RuntimeError):
     """A helper could not be spliced into the graph; the message names the node."""
 
 

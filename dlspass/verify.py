@@ -25,12 +25,13 @@ import torch.fx as fx
 
 from . import roles
 from .config import DLSConfig
+from .errors import DLSPassError
 
 CONFIG_KEY = "dlspass_config"
 GUARDED = {roles.PARAM_UPDATE: roles.PARAM, roles.OPT_STATE_UPDATE: roles.OPT_STATE}
 
 
-class VerificationError(Exception):
+class VerificationError(DLSPassError):
     """A DLS invariant does not hold; the message names the offending node."""
 
 

@@ -7,12 +7,13 @@ from torch.fx.passes.infra.pass_base import PassBase
 
 from dlspass import roles
 from dlspass.config import DLSConfig
+from dlspass.errors import DLSInternalError
 
 APPLIED_KEY = "dlspass_applied"
 GLOBAL = "global"  # target of the one overflow flag and the one gradient norm of a step
 
 
-class PassContractError(RuntimeError):
+class PassContractError(DLSInternalError, RuntimeError):
     """A pass's precondition or postcondition does not hold; the message names the node."""
 
 

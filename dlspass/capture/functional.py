@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import roles
 from ..config import DLSConfig
+from ..errors import DLSInputError
 from ..marks import mark, resolve_marks
 from ..scale_policy import STATE_FIELDS, ScalerState, init_state
 
@@ -30,7 +31,7 @@ from ..scale_policy import STATE_FIELDS, ScalerState, init_state
 _DECOMPOSITIONS = get_decompositions([torch.ops.aten.native_batch_norm.default])
 
 
-class CaptureError(RuntimeError):
+class CaptureError(DLSInputError, RuntimeError):
     """The training step cannot be captured as one graph; the message says why."""
 
 

@@ -35,12 +35,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import DLSInputError
+
 SUPPORTED_OPTIMIZERS = ("SGD", "Adam", "AdamW")
 
 _HYPER_DTYPE = torch.float64
 
 
-class UnsupportedOptimizerError(TypeError):
+class UnsupportedOptimizerError(DLSInputError, TypeError):
     """The optimizer (or one of its options) has no functional twin in dlspass."""
 
 

@@ -1,0 +1,23 @@
+"""The exceptions dlspass raises: one root, two families.
+
+``DLSPassError`` is the root of everything dlspass raises on purpose. ``DLSInputError`` means the
+caller's input is wrong (a config value, a file, an unsupported model or optimizer): the CLI
+prints one line and exits 2. ``DLSInternalError`` means a contract inside dlspass broke (a pass
+left the graph in a state the next one cannot take): the CLI exits 3 and shows the traceback
+under ``DLSPASS_DEBUG=1``. Each concrete class also keeps the builtin base it always had
+(``ValueError``, ``TypeError``, ``RuntimeError``) so existing ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+
+class DLSPassError(Exception):
+    """Root of every exception dlspass raises on purpose."""
+
+
+class DLSInputError(DLSPassError):
+    """The caller's input is wrong: fix the input (CLI exit code 2)."""
+
+
+class DLSInternalError(DLSPassError):
+    """A dlspass contract broke: a bug in dlspass or in a user pass (CLI exit code 3)."""
