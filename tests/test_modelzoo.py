@@ -73,13 +73,23 @@ def test_absent_loss_scaling_factor_means_no_scaling():
     assert cfg.init_scale == 1.0
 
 
-def test_absent_fp16_type_is_float16_and_enabled_defaults_on():
-    cfg = config_from_params(_current(loss_scaling_factor="dynamic"))
+def test_absent_fp16_type_is_float16_in_2_3_and_enabled_defaults_on():
+    # MixedPrecision(fp16_type="float16") in trainer/callbacks/precision.py of Release_2.3.0.
+    cfg = config_from_params(_current(loss_scaling_factor="dynamic"), modelzoo_release="2.3")
     assert cfg.fp16_type == "float16" and cfg.mixed_precision is True and cfg.dynamic
 
 
+def test_absent_fp16_type_is_bfloat16_since_2_4_and_dls_is_dropped_with_a_warning():
+    # MixedPrecision(fp16_type="bfloat16") from Release_2.4.0 on; setup() drops the scaler.
+    for release in ("2.4", "Release_2.10.0", None):
+        with pytest.warns(UserWarning, match="'dynamic' is dropped: the half format is bfloat16"):
+            cfg = config_from_params(_current(loss_scaling_factor="dynamic"), modelzoo_release=release)
+        assert cfg.fp16_type == "bfloat16" and cfg.mixed_precision is True
+        assert not cfg.dynamic and not cfg.enabled and cfg.init_scale == 1.0
+
+
 def test_static_scale():
-    cfg = config_from_params(_current(loss_scaling_factor=128))
+    cfg = config_from_params(_current(loss_scaling_factor=128), modelzoo_release="2.3")
     assert cfg.loss_scale == 128.0 and cfg.enabled and not cfg.dynamic and cfg.init_scale == 128.0
 
 
@@ -109,9 +119,12 @@ def test_no_precision_section_is_fp32_without_scaling():
     for data in ({"trainer": {"init": {"model": {"name": "gpt2"}}}}, {"trainer": {"fit": {}}}):
         cfg = config_from_params(data)
         assert cfg.mixed_precision is False and cfg.loss_scale is None and not cfg.enabled
-    # An empty `precision:` section is present: Model Zoo defaults (on, float16, factor 1.0).
+    # `precision: null` is no Precision callback at all (trainer/validate.py: Optional, None).
     cfg = config_from_params({"trainer": {"init": {"precision": None}}})
-    assert cfg.mixed_precision is True and cfg.loss_scale == 1.0
+    assert cfg.mixed_precision is False and cfg.loss_scale is None and not cfg.enabled
+    # An empty `precision: {}` section is MixedPrecision() with its defaults (on, factor 1.0).
+    cfg = config_from_params({"trainer": {"init": {"precision": {}}}})
+    assert cfg.mixed_precision is True and cfg.loss_scale == 1.0 and cfg.fp16_type == "bfloat16"
 
 
 # ---- legacy layout ------------------------------------------------------------------------------
@@ -120,7 +133,7 @@ def test_legacy_layout():
     assert cfg == DLSConfig(
         loss_scale="dynamic", fp16_type="cbfloat16", mixed_precision=True,
         initial_loss_scale=2.0**20, steps_per_increase=100, min_loss_scale=1.0,
-        max_gradient_norm=1.0,
+        max_gradient_norm=1.0, log_loss_scale=True,
     )
     assert cfg.extras == {
         "precision_opt_level": 1,
