@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dlspass.config import ConfigError, DLSConfig
 from dlspass.modelzoo import config_from_params, config_from_yaml
@@ -298,3 +301,87 @@ def test_config_error_is_value_error_and_from_dict_source():
         DLSConfig.from_dict(_current(fp16_type="x"), source="cfg")
     with pytest.raises(ConfigError, match="^<dict>: the top level must be a mapping"):
         DLSConfig.from_dict([1])  # type: ignore[arg-type]
+
+
+# ---- real Model Zoo configs ---------------------------------------------------------------------
+# tests/data/modelzoo holds unmodified params.yaml files of Cerebras Model Zoo releases R_1.6.0 ..
+# Release_2.10.0 (Apache-2.0), read from the public index at the commits MANIFEST.yaml names; the
+# expected values there come from each release's own code (the `sources` of every entry).
+MODELZOO = DATA / "modelzoo"
+MANIFEST = yaml.safe_load((MODELZOO / "MANIFEST.yaml").read_text(encoding="utf-8"))
+CASES = [(entry, release) for entry in MANIFEST["files"] for release in entry["releases"]]
+
+
+def _git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def test_manifest_covers_enough_real_configs():
+    files = MANIFEST["files"]
+    releases = {release for entry in files for release in entry["releases"]}
+    assert len(files) >= 40 and len(releases) >= 8
+    assert {entry["layout"] for entry in files} == {"current", "legacy"}
+    assert MANIFEST["license"] == "Apache-2.0"
+    on_disk = {p.relative_to(MODELZOO).as_posix() for p in MODELZOO.rglob("*.yaml")} - {"MANIFEST.yaml"}
+    assert on_disk == {entry["file"] for entry in files}
+
+
+@pytest.mark.parametrize("entry", MANIFEST["files"], ids=lambda e: e["file"])
+def test_real_config_is_the_indexed_file(entry):
+    # The file is byte-identical to the blob of the public repository at the recorded commit.
+    data = (MODELZOO / entry["file"]).read_bytes()
+    assert _git_blob_id(data) == entry["origin"]["blob"]
+    assert entry["origin"]["repo"] == "Cerebras/modelzoo" and len(entry["origin"]["commit"]) == 40
+    assert entry["release"] in entry["releases"] and set(entry["sources"]) <= set(entry["expected"])
+
+
+@pytest.mark.parametrize(("entry", "release"), CASES, ids=[f"{e['file']}@{r}" for e, r in CASES])
+def test_real_config_matches_what_its_release_does(entry, release):
+    exp = entry["expected"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = config_from_yaml(MODELZOO / entry["file"], modelzoo_release=release, modelzoo_model=entry["model"])
+    dropped = [w for w in caught if "is dropped: the half format is bfloat16" in str(w.message)]
+    assert len(dropped) == (1 if exp.get("dls_dropped_for_bfloat16") else 0)
+    assert len(caught) == len(dropped)
+    assert cfg.mixed_precision is exp["mixed_precision"]
+    if "fp16_type" in exp:
+        assert cfg.fp16_type == exp["fp16_type"]
+    assert cfg.log_loss_scale is exp.get("log_loss_scale", False)
+    assert cfg.max_gradient_norm == exp.get("max_gradient_norm")
+    assert cfg.extras.get("precision_opt_level") == exp.get("precision_opt_level")
+    if exp["scaler"] == "none":
+        assert not cfg.enabled and not cfg.dynamic and cfg.init_scale == 1.0
+    elif exp["scaler"] == "static":
+        assert cfg.enabled and not cfg.dynamic and cfg.init_scale == exp["init_scale"]
+    else:
+        assert cfg.dynamic
+        assert (cfg.init_scale, cfg.max_scale, cfg.min_scale, cfg.growth_interval) == (
+            exp["init_scale"], exp["max_scale"], exp["min_scale"], exp["steps_per_increase"])
+
+
+def test_real_configs_without_a_release_read_as_the_newest_or_a_2_0_file():
+    # gemma2 (2.10, no fp16_type): bfloat16 without scaling, with a warning, as Model Zoo 2.10 does.
+    with pytest.warns(UserWarning, match="is dropped"):
+        cfg = DLSConfig.from_yaml(str(MODELZOO / "Release_2.10.0/gemma2/params_gemma2_27b_msl8k.yaml"))
+    assert cfg.fp16_type == "bfloat16" and not cfg.enabled and cfg.log_loss_scale is True
+    # A file with model.use_bfloat16 is read with the rules of 2.0, the last release that reads it.
+    cfg = DLSConfig.from_yaml(str(MODELZOO / "Release_2.0.2/btlm/params_btlm_2p7b_2k.yaml"))
+    assert cfg.fp16_type == "bfloat16" and cfg.log_loss_scale is False
+    assert cfg.extras["precision_opt_level"] == 1
+
+
+def test_release_specific_keys_are_refused_where_model_zoo_refuses_them():
+    path = MODELZOO / "Release_2.0.2/btlm/params_btlm_2p7b_2k.yaml"
+    # half_dtype.py of Release_2.1.0 raises KeyError on model.use_bfloat16.
+    with pytest.raises(ConfigError, match=r"model\.use_bfloat16: Model Zoo 2\.1 rejects this key"):
+        config_from_yaml(path, modelzoo_release="Release_2.1.0")
+    # run_cstorch_flow.py of Release_2.1.0 raises on model.precision_opt_level.
+    with pytest.raises(ConfigError, match=r"model\.precision_opt_level: Model Zoo 2\.1 no longer reads it"):
+        config_from_yaml(MODELZOO / "R_1.7.1/gpt3/params_gpt3_xl.yaml", modelzoo_release="2.1")
+    with pytest.raises(ConfigError, match="the trainer layout needs Model Zoo 2.3 or later"):
+        config_from_yaml(MODELZOO / "Release_2.5.0/bert/bert_base_classifier_mnli.yaml", modelzoo_release="2.2")
+    with pytest.raises(ConfigError, match="modelzoo_release: expected a release such as"):
+        config_from_yaml(path, modelzoo_release="latest")
+    with pytest.raises(ConfigError, match="predates R_1.6.0"):
+        config_from_yaml(path, modelzoo_release="1.5")
