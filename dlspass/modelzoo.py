@@ -412,10 +412,10 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
         extras = {"precision_opt_level": values["precision_opt_level"], **extras}
     if enabled and fp16_type == "bfloat16" and loss_scale not in (None, 1.0):
         # MixedPrecision.setup: "No need to use loss scaling when half dtype is bfloat16".
-        why = "(the default of Model Zoo " + _name(rules) + ")" if "fp16_type" not in values else ""
+        why = f" (Model Zoo {_name(rules)}'s default)" if "fp16_type" not in values else ""
         warnings.warn(f"{src}{dls}loss_scaling_factor: {excerpt(loss_scale)} is dropped: the half "
-                      f"format is bfloat16 {why}, which has float32's range, so Model Zoo trains "
-                      "without loss scaling".replace("  ", " "), UserWarning, stacklevel=4)
+                      f"format is bfloat16{why}, which has float32's range, so Model Zoo trains "
+                      "without loss scaling", UserWarning, stacklevel=4)
     try:
         return DLSConfig(**kwargs, extras=extras)
     except ConfigError as exc:

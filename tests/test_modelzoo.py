@@ -97,7 +97,8 @@ def test_static_scale():
 
 
 def test_bfloat16_needs_no_scaling_and_is_accepted():
-    cfg = config_from_params(_current(fp16_type="bfloat16", loss_scaling_factor="dynamic"))
+    with pytest.warns(UserWarning, match=r"'dynamic' is dropped: the half format is bfloat16, which"):
+        cfg = config_from_params(_current(fp16_type="bfloat16", loss_scaling_factor="dynamic"))
     assert cfg.fp16_type == "bfloat16" and not cfg.enabled and not cfg.dynamic
     cfg = config_from_params(_current(fp16_type="bfloat16"))
     assert not cfg.enabled
@@ -109,8 +110,14 @@ def test_cbfloat16_disabled_mixed_precision_needs_no_dynamic():
 
 
 def test_log_loss_scale_null_follows_dynamic():
-    assert config_from_params(_current(loss_scaling_factor="dynamic", log_loss_scale=None)).log_loss_scale
-    assert not config_from_params(_current(loss_scaling_factor=8.0, log_loss_scale=None)).log_loss_scale
+    # MixedPrecision of Release_2.5.0 and later: None means "log when dynamic".
+    assert config_from_params(_current(fp16_type="float16", loss_scaling_factor="dynamic",
+                                       log_loss_scale=None)).log_loss_scale
+    assert not config_from_params(_current(fp16_type="float16", loss_scaling_factor=8.0,
+                                           log_loss_scale=None)).log_loss_scale
+    # Releases 2.3 and 2.4 keep log_loss_scale=False unless the file says true.
+    assert not config_from_params(_current(fp16_type="float16", loss_scaling_factor="dynamic"),
+                                  modelzoo_release="2.4").log_loss_scale
 
 
 def test_null_loss_scaling_factor():
@@ -157,7 +164,8 @@ def test_legacy_defaults_and_list_of_states():
 
 
 def test_legacy_use_bfloat16():
-    cfg = config_from_params({"model": {"use_bfloat16": True}, "optimizer": {"loss_scaling_factor": "dynamic"}})
+    with pytest.warns(UserWarning, match="is dropped"):
+        cfg = config_from_params({"model": {"use_bfloat16": True}, "optimizer": {"loss_scaling_factor": "dynamic"}})
     assert cfg.fp16_type == "bfloat16" and not cfg.enabled
     msg = _err({"model": {"use_bfloat16": True, "fp16_type": "cbfloat16"},
                 "optimizer": {"loss_scaling_factor": "dynamic"}})
@@ -223,7 +231,7 @@ def test_typo_value_error_names_file_and_key():
         ({"zzz": 1}, "zzz: unknown precision key; known keys: enabled, fp16_type"),
         ({"fp16_type": "cbfloat16", "loss_scaling_factor": 1.0}, "trainer.init.precision.loss_scaling_factor: cbfloat16 requires loss_scaling_factor: dynamic (got 1.0)"),
         ({"fp16_type": "cbfloat16"}, "cbfloat16 requires loss_scaling_factor: dynamic (absent means 1.0)"),
-        ({"loss_scaling_factor": "dynamic", "initial_loss_scale": 8.0, "min_loss_scale": 16.0},
+        ({"fp16_type": "float16", "loss_scaling_factor": "dynamic", "initial_loss_scale": 8.0, "min_loss_scale": 16.0},
          "trainer.init.precision.initial_loss_scale: 8.0 is outside [trainer.init.precision.min_loss_scale"),
         ({"min_loss_scale": 4.0, "max_loss_scale": 2.0}, "trainer.init.precision.min_loss_scale (4.0) is greater than"),
     ],
@@ -385,3 +393,99 @@ def test_release_specific_keys_are_refused_where_model_zoo_refuses_them():
         config_from_yaml(path, modelzoo_release="latest")
     with pytest.raises(ConfigError, match="predates R_1.6.0"):
         config_from_yaml(path, modelzoo_release="1.5")
+
+
+# ---- release rules, each against the Model Zoo code it reproduces --------------------------------
+def _legacy(**optimizer):
+    return {"model": {"mixed_precision": True, "fp16_type": "float16"},
+            "optimizer": {"loss_scaling_factor": "dynamic", **optimizer}}
+
+
+@pytest.mark.parametrize(("release", "logged"), [
+    ("R_1.7.1", False),      # not read by 1.6/1.7
+    ("Release_1.8.0", True),  # pytorch_base_runner._log_summaries_loss_scale
+    ("1.9", True),
+    ("Release_2.0.3", False),  # run_cstorch_flow returns loss_scale None
+    ("2.1", True),            # run_cstorch_flow: grad_scaler.get_scale() under log_summaries
+    ("2.3", True),            # trainer conversion: log_summaries -> precision.log_loss_scale
+    ("2.10", True),
+])
+def test_log_summaries_per_release(release, logged):
+    cfg = config_from_params(_legacy(log_summaries=True), modelzoo_release=release)
+    assert cfg.log_loss_scale is logged
+    assert cfg.extras["log_summaries"] is True
+    off = config_from_params(_legacy(log_summaries=False), modelzoo_release=release)
+    assert off.log_loss_scale is False
+
+
+def test_absent_log_summaries_follows_dynamic_from_2_5():
+    assert config_from_params(_legacy(), modelzoo_release="2.5").log_loss_scale is True
+    assert config_from_params(_legacy(), modelzoo_release="2.4").log_loss_scale is False
+    assert config_from_params(_legacy(), modelzoo_release="1.9").log_loss_scale is False
+
+
+def test_model_precision_opt_level_up_to_2_0_and_runconfig_wins():
+    data = {"model": {"mixed_precision": True, "precision_opt_level": 0, "fp16_type": "float16"},
+            "optimizer": {"loss_scaling_factor": "dynamic"}}
+    assert config_from_params(data, modelzoo_release="2.0").extras["precision_opt_level"] == 0
+    both = {**data, "runconfig": {"precision_opt_level": 2}}
+    assert config_from_params(both, modelzoo_release="1.9").extras["precision_opt_level"] == 2
+    with pytest.raises(ConfigError, match="no longer reads it here"):
+        config_from_params(data, modelzoo_release="2.2")
+
+
+def test_csconfig_use_cbfloat16():
+    data = {"model": {"mixed_precision": True}, "optimizer": {"loss_scaling_factor": "dynamic"},
+            "csconfig": {"use_cbfloat16": True}}
+    cfg = config_from_params(data)  # detected as a 1.9 file
+    assert cfg.fp16_type == "cbfloat16" and cfg.init_scale == 2.0**31
+    assert config_from_params(data, modelzoo_release="R_1.6.0").fp16_type == "cbfloat16"
+    with pytest.raises(ConfigError, match="csconfig.use_cbfloat16: Model Zoo 2.4 does not read"):
+        config_from_params(data, modelzoo_release="2.4")
+    clash = {**data, "model": {"mixed_precision": True, "use_bfloat16": True}}
+    assert "csconfig.use_cbfloat16: true contradicts" in _err(clash)
+    with pytest.raises(ConfigError, match="cbfloat16 requires loss_scaling_factor: dynamic"):
+        config_from_params({**data, "optimizer": {}}, modelzoo_release="1.9")
+
+
+@pytest.mark.parametrize(("release", "model", "fp16_type"), [
+    ("R_1.6.0", "gpt2", "float16"),     # no set_defaults for the format yet
+    ("R_1.7.0", "gpt2", "bfloat16"),    # gpt2/utils.py set_defaults: use_bfloat16 True
+    ("R_1.7.0", "bert", "float16"),
+    ("R_1.7.0", "llama", "float16"),    # llama/run.py uses gpt2 defaults only from 1.9
+    ("1.9", "llama", "bfloat16"),
+    ("2.2", "jais", "bfloat16"),        # models/nlp/gpt2/utils.py: fp16_type default bfloat16
+    ("2.1", "jais", "float16"),
+    ("2.3", "gpt2", "float16"),         # trainer flow: MixedPrecision(fp16_type="float16")
+    ("2.4", "bert", "bfloat16"),        # MixedPrecision(fp16_type="bfloat16")
+])
+def test_release_and_model_fp16_defaults(release, model, fp16_type):
+    data = {"model": {"mixed_precision": True}, "optimizer": {"loss_scaling_factor": 8.0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = config_from_params(data, modelzoo_release=release, modelzoo_model=model)
+    assert cfg.fp16_type == fp16_type
+    assert cfg.enabled is (fp16_type != "bfloat16")
+
+
+def test_cstorch_caps_initial_scale_at_max_and_refuses_tiny_min():
+    # cerebras.pytorch.amp.GradScaler: loss_scale = min(max_loss_scale, init_scale)
+    cfg = config_from_params(_current(fp16_type="float16", loss_scaling_factor="dynamic",
+                                      initial_loss_scale=2.0**20, max_loss_scale=2.0**10))
+    assert cfg.init_scale == 2.0**10 and cfg.max_scale == 2.0**10
+    cfg = config_from_params(_current(fp16_type="float16", loss_scaling_factor="dynamic", initial_loss_scale=2.0**20))
+    assert cfg.init_scale == 2.0**15  # the default max of float16
+    # ... and raises "min_loss_scale too small" below 2**-14 when dynamic.
+    msg = _err(_current(fp16_type="float16", loss_scaling_factor="dynamic", min_loss_scale=2.0**-15))
+    assert "trainer.init.precision.min_loss_scale: 3.0517578125e-05 is below 2**-14" in msg
+    # A static scale ignores min_loss_scale, as cstorch does.
+    assert config_from_params(_current(fp16_type="float16", loss_scaling_factor=4.0, min_loss_scale=2.0**-15)).enabled
+
+
+def test_duplicate_yaml_keys_are_an_error(tmp_path):
+    # Model Zoo 2.5+ loads params with UniqueKeyLoader (common/utils/utils.py), which refuses them.
+    path = tmp_path / "dup.yaml"
+    path.write_text("trainer:\n  init:\n    precision:\n      fp16_type: cbfloat16\n"
+                    "      fp16_type: float16\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"invalid YAML \(line 5, column 7\): duplicate key 'fp16_type'"):
+        config_from_yaml(path)
