@@ -179,6 +179,11 @@ def modelzoo_rules(release: str | tuple[int, int] | None = None, model: str | No
 
 
 # ---- value checkers: (value, where) -> normalised value, raising ConfigError ---------------------
+def _key(key: Any) -> str:
+    """A mapping key as it appears in a key path: short strings as they are, others as an excerpt."""
+    return key if isinstance(key, str) and len(key) <= 60 and key.isprintable() else excerpt(key)
+
+
 def _fail(where: str, expected: str, value: Any) -> ConfigError:
     return ConfigError(f"{where}: expected {expected}, got {excerpt(value)}")
 
@@ -300,7 +305,7 @@ def _read_current(data: Mapping, src: str) -> dict[str, Any] | None:
     precision = _mapping(precision, f"{src}trainer.init.precision")
     out = {}
     for key, value in precision.items():
-        where = f"{src}trainer.init.precision.{key}"
+        where = f"{src}trainer.init.precision.{_key(key)}"
         if key not in _CURRENT_KEYS:
             raise ConfigError(f"{where}: unknown precision key{_hint(key, _CURRENT_KEYS)}")
         out[key] = _CHECKERS[key](value, where)
@@ -316,7 +321,7 @@ def _read_legacy(data: Mapping, src: str) -> dict[str, Any]:
             continue
         body = _mapping(body, f"{src}{section}")
         for key, value in body.items():
-            where = f"{src}{section}.{key}"
+            where = f"{src}{section}.{_key(key)}"
             if key in known:
                 out[f"{section}.{key}"] = _CHECKERS[key](value, where)
             elif isinstance(key, str) and len(key) < 200 and difflib.get_close_matches(key, known, 1, _TYPO_CUTOFF):
@@ -448,7 +453,7 @@ def _read_flat(data: Mapping, src: str) -> DLSConfig:
     for key, value in data.items():
         if key not in names:
             raise ConfigError(
-                f"{src}{excerpt(key) if not isinstance(key, str) or len(key) > 60 else key}: "
+                f"{src}{_key(key)}: "
                 f"unknown DLSConfig field{_hint(key, dict.fromkeys(names))} "
                 "(Model Zoo files put precision settings under trainer.init.precision)"
             )
@@ -551,6 +556,14 @@ def _make_loader() -> Any:
 
     class Loader(yaml.SafeLoader):
         _depth = 0
+
+        def fetch_flow_collection_start(self, token_class: Any) -> None:
+            # The scanner keeps one possible simple key per flow level and rescans them all at
+            # every token: 5,000 nested "[" cost minutes before the composer sees a node.
+            if self.flow_level >= MAX_YAML_DEPTH:
+                raise yaml.scanner.ScannerError(None, None, f"nesting deeper than {MAX_YAML_DEPTH} levels",
+                                                self.get_mark())
+            super().fetch_flow_collection_start(token_class)
 
         def compose_node(self, parent: Any, index: Any) -> Any:
             # Composition is recursive: bound the depth before Python's recursion limit, and
