@@ -75,7 +75,7 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 # ---- YAML structure -----------------------------------------------------------------------------
 def test_alias_bomb_from_a_wrongly_typed_key_fails_fast(tmp_path):
     bomb = _alias_bomb()
-    text = bomb + f"trainer:\n  init:\n    precision:\n      fp16_type: *a8\n"
+    text = bomb + "trainer:\n  init:\n    precision:\n      fp16_type: *a8\n"
     assert len(text.encode()) < 700  # the ~550-byte bomb plus the key that references it
     path = _write(tmp_path, "bomb.yaml", text)
     msg = _refused(lambda: config_from_yaml(path))
