@@ -43,7 +43,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .config import FLOAT32_MAX, FP16_TYPES, ConfigError, DLSConfig, excerpt
+from .config import FLOAT32_MAX, FP16_TYPES, ConfigError, DLSConfig, excerpt, preset_defaults
 
 __all__ = ["ModelZooRules", "config_from_params", "config_from_yaml", "load_yaml", "modelzoo_rules"]
 
@@ -442,8 +442,7 @@ def _cstorch_dynamic_rules(kwargs: dict[str, Any], values: dict[str, Any], src: 
         return
     high = values.get("max_loss_scale")
     if high is None:
-        probe = DLSConfig(fp16_type=kwargs["fp16_type"], min_loss_scale=low)
-        high = probe.max_scale
+        high = preset_defaults("cerebras", kwargs["fp16_type"]).max_loss_scale
     if init > high and init <= FLOAT32_MAX:
         kwargs["initial_loss_scale"] = float(high)
 

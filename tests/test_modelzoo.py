@@ -478,6 +478,10 @@ def test_cstorch_caps_initial_scale_at_max_and_refuses_tiny_min():
     # ... and raises "min_loss_scale too small" below 2**-14 when dynamic.
     msg = _err(_current(fp16_type="float16", loss_scaling_factor="dynamic", min_loss_scale=2.0**-15))
     assert "trainer.init.precision.min_loss_scale: 3.0517578125e-05 is below 2**-14" in msg
+    msg = _err(_current(fp16_type="float16", loss_scaling_factor="dynamic", initial_loss_scale=2.0**20,
+                        min_loss_scale=2.0**16))
+    assert msg.endswith("trainer.init.precision.min_loss_scale (65536.0) is greater than "
+                        "trainer.init.precision.max_loss_scale (32768.0)")
     # A static scale ignores min_loss_scale, as cstorch does.
     assert config_from_params(_current(fp16_type="float16", loss_scaling_factor=4.0, min_loss_scale=2.0**-15)).enabled
 
