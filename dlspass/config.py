@@ -61,9 +61,9 @@ def preset_defaults(policy: str, fp16_type: str) -> PresetDefaults:
 # float32 bounds: every scale lives in a float32 tensor, so it must be a normal float32 whose
 # reciprocal is finite too (unscaling multiplies by 1/scale); 2**-126 is the smallest normal.
 FLOAT32_MIN_NORMAL = 2.0**-126
-# Step counters are int64 tensors; an interval past 2**31 - 1 steps never fires in any real run,
-# and a bound keeps a hostile value (10**30) from overflowing the counter arithmetic.
-MAX_STEPS = 2**31 - 1
+# Step counters are int64 tensors: an interval must fit int64 (2**63 - 1 is torch's and Model Zoo's
+# "never grow"), so that a hostile value (10**30) cannot overflow the counter arithmetic.
+MAX_STEPS = 2**63 - 1
 _EXCERPT = 60
 
 

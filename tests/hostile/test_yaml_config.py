@@ -163,8 +163,8 @@ def test_oversized_file_is_refused_by_size(tmp_path):
     ({"log_loss_scale": 1}, "log_loss_scale: expected a bool, got 1"),
     ({"extras": [1, 2]}, "extras: expected a dict with string keys, got list of 2 items"),
     ({"extras": {1: "x"}}, "extras: expected a dict with string keys"),
-    ({"steps_per_increase": 10**30}, "steps_per_increase: must be an integer in [1, 2147483647], got an integer of 100 bits"),
-    ({"hysteresis": 2**31}, "hysteresis: must be an integer in [1, 2147483647], got 2147483648"),
+    ({"steps_per_increase": 10**30}, "steps_per_increase: must be an integer in [1, 9223372036854775807], got an integer of 100 bits"),
+    ({"hysteresis": 2**63}, "hysteresis: must be an integer in [1, 9223372036854775807], got 9223372036854775808"),
     ({"steps_per_increase": 2.5}, "steps_per_increase: expected a positive integer, got 2.5"),
     ({"fp16_type": ["float16"]}, "fp16_type: unknown format list of 1 items"),
     ({"policy": None}, "policy: unknown preset None"),
@@ -179,7 +179,8 @@ def test_dlsconfig_accepts_the_float32_extremes():
     assert top.init_scale == 3.4e38
     low = DLSConfig(loss_scale=2.0**-126)
     assert low.init_scale == 2.0**-126 and low.enabled
-    assert DLSConfig(steps_per_increase=2**31 - 1).growth_interval == 2**31 - 1
+    # torch.amp and Model Zoo use growth_interval 2**63 - 1 for "never grow".
+    assert DLSConfig(steps_per_increase=2**63 - 1).growth_interval == 2**63 - 1
 
 
 def test_fifty_megabyte_value_is_not_echoed():
