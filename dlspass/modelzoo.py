@@ -111,7 +111,7 @@ class ModelZooRules:
         """The ``trainer:`` layout exists (2.3+); legacy files are converted to it from 2.3 on."""
         return self.release >= (2, 3)
 
-    def default_fp16_type(self, layout: str) -> str:
+    def default_fp16_type(self) -> str:
         """The half format used when the file names none (MixedPrecision / half_dtype defaults)."""
         if self.has_trainer:
             # trainer/callbacks/precision.py: MixedPrecision(fp16_type="float16") in 2.3,
@@ -198,7 +198,8 @@ def _optional_bool(value: Any, where: str) -> bool | None:
     return None if value is None else _bool(value, where)
 
 
-def _finite(value: Any, where: str) -> float | None:
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (not a number, inf, NaN, or too large for a float)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:
@@ -213,7 +214,7 @@ def _positive(value: Any, where: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(where, "a positive number or null", value)
-    v = _finite(value, where)
+    v = _finite(value)
     if v is None or v <= 0:
         raise _fail(where, "a finite number > 0", value)
     return v
@@ -232,7 +233,7 @@ def _loss_scale(value: Any, where: str) -> str | float | None:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(where, '"dynamic", a number or null', value)
-    v = _finite(value, where)
+    v = _finite(value)
     if v is None or v <= 0:
         raise _fail(where, '"dynamic" or a finite number > 0', value)
     return v
@@ -380,7 +381,7 @@ def _hint(key: Any, known: Mapping) -> str:
     return "; known keys: " + ", ".join(sorted(known))
 
 
-def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRules, layout: str,
+def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRules,
            extras: dict[str, Any]) -> DLSConfig:
     """Turn checked Model Zoo keys into a DLSConfig, applying the release's defaults.
 
@@ -394,7 +395,7 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
             f"{src}{dls}max_gradient_norm and {dls}max_gradient_value: set at most one of them"
         )
     enabled = values.get("enabled", True)
-    fp16_type = values.get("fp16_type") or rules.default_fp16_type(layout)
+    fp16_type = values.get("fp16_type") or rules.default_fp16_type()
     loss_scale = values.get("loss_scaling_factor", 1.0)
     if enabled and fp16_type == "cbfloat16" and loss_scale != "dynamic":
         got = (f"got {excerpt(values['loss_scaling_factor'])}" if "loss_scaling_factor" in values
@@ -512,7 +513,7 @@ def config_from_params(data: dict[str, Any], *, source: str = "<dict>",
             raise ConfigError(f"{source}: the trainer layout needs Model Zoo 2.3 or later "
                               f"(modelzoo_release is {_name(rules)})")
         values = _read_current(data, src)
-        return _build(values, src, "trainer.init.precision.", rules, "current", {})
+        return _build(values, src, "trainer.init.precision.", rules, {})
     if any(s in data for s in _LEGACY_SECTIONS):
         raw = _read_legacy(data, src)
         if rules is None:
@@ -525,7 +526,7 @@ def config_from_params(data: dict[str, Any], *, source: str = "<dict>",
             extras["log_summaries"] = raw["optimizer.log_summaries"]
         precision_keys = {k for k in raw if k != "runconfig.load_checkpoint_states"}
         values = _legacy_to_current(raw, src, rules) if precision_keys else None
-        return _build(values, src, "optimizer.", rules, "legacy", extras)
+        return _build(values, src, "optimizer.", rules, extras)
     return _read_flat(data, src)
 
 
