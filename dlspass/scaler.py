@@ -103,7 +103,10 @@ _INT64_MAX = 2**63 - 1
 
 def _short(value: object) -> str:
     """A bounded repr for error messages (a 10**1000 or a long string is cut)."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"<a {type(value).__name__} too long to print>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
