@@ -866,3 +866,45 @@ def test_torch_grad_scaler_sync_free_forms_and_held_scheduler():
     t = sc.get_scale_tensor()
     assert isinstance(t, torch.Tensor) and t.dtype == torch.float32 and float(t) == 4.0
     assert int(sc.get_num_skipped_steps()) == 1 and sched.held_steps == 1
+
+
+def test_torch_grad_scaler_documented_differences():
+    """The rows of docs/TORCH_AMP_DIFFERENCES.md that are not shown elsewhere."""
+    # get_scale() before the first scale(): the float32 value (torch: the number passed)
+    ref, mine = _amp_pair(init_scale=0.1)
+    assert ref.get_scale() == 0.1
+    assert mine.get_scale() == float(torch.tensor(0.1, dtype=torch.float32)) != 0.1
+    ref.scale(torch.ones(()))
+    assert ref.get_scale() == mine.get_scale()  # equal once torch holds it in float32 too
+    # invalid settings raise (torch accepts them silently)
+    for setter, bad in ((mine.set_growth_factor, 1.0), (mine.set_backoff_factor, 0.0),
+                        (mine.set_growth_interval, 0)):
+        with pytest.raises(ValueError):
+            setter(bad)
+        getattr(ref, setter.__name__)(bad)  # torch: no check
+    with pytest.raises(ValueError, match="steps_per_increase"):
+        TorchGradScaler("cpu", growth_interval=0)
+    # a disabled scaler still answers the getters (torch's raise AttributeError)
+    off_ref, off_mine = _amp_pair(enabled=False, growth_factor=3.0)
+    with pytest.raises(AttributeError):
+        off_ref.get_growth_factor()
+    assert off_mine.get_growth_factor() == 3.0
+    # and it is a torch.amp.GradScaler for isinstance checks
+    assert isinstance(mine, torch.amp.GradScaler)
+
+
+def test_grad_scaler_documented_differences():
+    """dlspass.GradScaler rows of docs/TORCH_AMP_DIFFERENCES.md not shown elsewhere."""
+    import pickle
+
+    p, opt = _one_param()
+    sc = GradScaler(init_scale=8.0)
+    p.grad = torch.ones_like(p)
+    # no scale() needed first (torch raises AssertionError), and pickling works mid-iteration
+    sc.unscale_(opt)
+    assert torch.equal(p.grad, torch.full_like(p, 1 / 8))
+    pickle.loads(pickle.dumps(sc))
+    assert bool(sc.step(opt))
+    sc.update()
+    assert not isinstance(sc, torch.amp.GradScaler)
+    assert isinstance(sc.get_scale(), torch.Tensor)
