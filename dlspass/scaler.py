@@ -38,6 +38,12 @@ gradients and parameters are handled through their local shards.
 The scale-floor signal (`ScaleFloorWarning`, or `ScaleFloorError` with
 ``on_scale_floor="raise"``) reads the floor counter lazily: in ``get_scale()``, in
 ``state_dict()`` and once every ``FLOOR_CHECK_EVERY`` updates - never once per step.
+
+`TorchGradScaler` is the other contract: torch.amp.GradScaler's, step for step (torch's own
+unscale helper and update kernel on this module's state, a host read in ``step`` as torch
+makes, torch's ``state_dict`` keys); docs/TORCH_AMP_DIFFERENCES.md lists where either class
+differs from torch.amp. Both validate checkpoints completely before restoring anything
+(`ScalerStateError`) and refuse scales float32 cannot hold.
 """
 
 from __future__ import annotations
