@@ -163,6 +163,9 @@ def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[s
     p = check_input_file(path, (".pt2",))
     if not zipfile.is_zipfile(p):
         raise InputError(f"{p}: not a .pt2 archive (not a zip file; truncated or corrupt?)")
+    from .pt2_archive import check_pt2_archive  # refuses what torch would unpickle or inflate
+
+    check_pt2_archive(p)
     import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format for deserialisation
 
     extra = {META_FILE: ""}
