@@ -101,6 +101,19 @@ _GUARD_NAMES = frozenset({"L", "Max", "Min", "Mod", "FloorDiv", "CeilToInt", "Fl
 _GUARD_ATTRS = frozenset({"size", "stride", "storage_offset", "dim", "floor", "ceil", "trunc"})
 
 
+ARCHIVE_ROOT = "archive"
+"""The root folder of every ``.pt2`` dlspass writes (torch names it after the file otherwise,
+which for an atomic write is the temporary file's random name)."""
+
+
+def save_pt2(ep: Any, path: str | Path, extra_files: dict[str, str] | None = None) -> None:
+    """``torch.export.save(ep)`` to ``path`` with the stable root folder ``ARCHIVE_ROOT``."""
+    import torch
+
+    with open(path, "wb") as f:  # torch names the root of a file object's archive "archive"
+        torch.export.save(ep, f, extra_files=extra_files)
+
+
 class UnsafeArchiveError(DLSInputError, ValueError):
     """A ``.pt2`` archive that torch would unpickle, evaluate or inflate without bound."""
 
