@@ -399,11 +399,25 @@ def lower_precision_onnx(proto: Any, fmt: str, source: str = "model") -> int:
     known: dict[str, bool] = {}
 
     def is_rounded(name: str) -> bool:
-        if name not in known:
-            src = producer.get(name)
-            known[name] = name in cast_outputs or (
-                src is not None and src.op_type in _PRESERVING_OPS and name == src.output[0]
-                and bool(src.input) and is_rounded(src.input[0]))
+        """Whether ``name`` is a rounding's output, possibly through value-preserving ops.
+        Iterative: a chain of thousands of ops before a MatMul must not exhaust the stack
+        (and a cycle, which a crafted file can hold, must not loop)."""
+        chain: list[str] = []
+        on_chain: set[str] = set()
+        cur = name
+        while cur not in known:
+            src = producer.get(cur)
+            if cur in cast_outputs:
+                known[cur] = True
+            elif cur in on_chain or src is None or src.op_type not in _PRESERVING_OPS \
+                    or cur != src.output[0] or not src.input:
+                known[cur] = False
+            else:
+                chain.append(cur)
+                on_chain.add(cur)
+                cur = src.input[0]
+        for n in chain:
+            known[n] = known[cur]
         return known[name]
 
     template = _RoundTemplate(fmt, _opset(proto))
@@ -412,29 +426,40 @@ def lower_precision_onnx(proto: Any, fmt: str, source: str = "model") -> int:
 
     def via_view(x: str) -> str | None:
         """``x`` rebuilt from an already rounded value by a copy of the data movement that
-        made it (the backward's Transpose of a forward weight, say): no second rounding."""
-        if x in rounded:
-            return rounded[x]
-        src = producer.get(x)
-        if src is None or src.op_type not in _MOVING_OPS or not src.input or x not in src.output:
-            return None
-        base = src.input[0] if is_rounded(src.input[0]) else via_view(src.input[0])
-        if base is None:
-            return None
+        made it (the backward's Transpose of a forward weight, say): no second rounding.
+        Walks down the chain of data movement iteratively, then copies it bottom-up."""
         from onnx import NodeProto, StringStringEntryProto
 
-        view = NodeProto()
-        view.CopyFrom(src)
-        del view.metadata_props[:]
-        view.metadata_props.append(StringStringEntryProto(key="dlspass_pass", value="lower_precision"))
-        view.name = _fresh(f"dlspass_view/{src.name or src.op_type}", taken)
-        view.input[0] = base
-        for k, o in enumerate(src.output):
-            if o:
-                view.output[k] = _fresh(f"{o}.{fmt}", taken)
-                rounded[o] = view.output[k]
-                known[view.output[k]] = True
-        nodes.append(view)
+        chain: list[tuple[str, Any]] = []
+        on_chain: set[str] = set()
+        cur = x
+        while cur not in rounded:
+            src = producer.get(cur)
+            if src is None or src.op_type not in _MOVING_OPS or not src.input \
+                    or cur not in src.output or cur in on_chain:
+                return None
+            chain.append((cur, src))
+            on_chain.add(cur)
+            if is_rounded(src.input[0]):
+                base = src.input[0]
+                break
+            cur = src.input[0]
+        else:
+            base = rounded[cur]
+        for cur, src in reversed(chain):
+            view = NodeProto()
+            view.CopyFrom(src)
+            del view.metadata_props[:]
+            view.metadata_props.append(StringStringEntryProto(key="dlspass_pass", value="lower_precision"))
+            view.name = _fresh(f"dlspass_view/{src.name or src.op_type}", taken)
+            view.input[0] = base
+            for k, o in enumerate(src.output):
+                if o:
+                    view.output[k] = _fresh(f"{o}.{fmt}", taken)
+                    rounded[o] = view.output[k]
+                    known[view.output[k]] = True
+            nodes.append(view)
+            base = rounded[cur]
         return rounded[x]
 
     for node in list(g.node):
