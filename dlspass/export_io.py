@@ -43,6 +43,7 @@ from . import roles
 from .atomic_write import write_atomic  # also imported from here by cli and onnx_io
 from .config import DLSConfig
 from .errors import DLSInputError
+from .file_meta import check_pt2_meta
 from .pt2_archive import save_pt2
 
 META_FILE = "dlspass.json"
@@ -168,6 +169,7 @@ def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[s
             meta = json.loads(raw)
         except json.JSONDecodeError:
             raise InputError(f"{p}: its {META_FILE} is not valid JSON") from None
+    check_pt2_meta(meta, str(p), len(ep.graph_signature.output_specs))  # shape of dlspass.json
     return ep, meta
 
 

@@ -41,6 +41,7 @@ import torch.fx as fx
 
 from . import roles
 from .export_io import META_FILE, InputError, quiet_torch, write_atomic
+from .file_meta import check_onnx_meta
 
 
 def _bool_where_to_logic(gm: fx.GraphModule) -> int:
@@ -179,7 +180,80 @@ def load_onnx(path: str | Path) -> Any:
     if not model.graph.outputs:
         raise InputError(f"{p}: the ONNX model has no outputs")
     _check_wellformed(model, p)
+    check_onnx_meta(model.metadata_props, str(p))
+    _check_external_data(p)
     return model
+
+
+MAX_LOCATION_CHARS = 1024
+
+
+def _check_external_data(p: Path) -> None:
+    """Every external-data reference must name a regular file inside the model's folder, and
+    its offset and length must lie inside that file: ``onnx.load`` would otherwise read any
+    file the path reaches, block on a FIFO, or fail with an exception of its own."""
+    import os
+    import stat
+
+    import onnx
+    from onnx import TensorProto
+
+    from .bounded_text import excerpt
+
+    try:
+        proto = onnx.load(str(p), load_external_data=False)
+    except Exception as e:
+        raise InputError(f"{p}: cannot read the ONNX model ({type(e).__name__}: "
+                         f"{excerpt(str(e), 120)})") from None
+    base = os.path.realpath(p.parent)
+    for t in _all_tensors(proto):
+        if t.data_location != TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        where = f"{p}: tensor {excerpt(t.name, 80)} stores its data in {excerpt(loc, 80)}"
+        parts = loc.replace("\\", "/").split("/")
+        if not loc or len(loc) > MAX_LOCATION_CHARS or "\0" in loc or os.path.isabs(loc) \
+                or ".." in parts or any(len(c) > 255 for c in parts):
+            raise InputError(f"{where}, which is not a short relative path inside the model's folder")
+        target = os.path.realpath(os.path.join(base, loc))
+        if os.path.commonpath([base, target]) != base:
+            raise InputError(f"{where}, which leads outside the model's folder")
+        try:
+            st = os.stat(target)
+        except OSError as e:
+            raise InputError(f"{where}, which cannot be read ({e.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{where}, which is not a regular file")
+        try:
+            offset = int(info.get("offset", "0"))
+            length = int(info.get("length", str(st.st_size - offset)))
+        except ValueError:
+            raise InputError(f"{where} at an offset or length that is not a number") from None
+        if offset < 0 or length < 0 or offset + length > st.st_size:
+            raise InputError(f"{where} at bytes {offset}..{offset + length}, outside the "
+                             f"{st.st_size:,}-byte file")
+
+
+def _all_tensors(proto: Any) -> Any:
+    """Every TensorProto of a model: initializers and node attributes, in every subgraph and
+    function (walked with a stack, not recursion)."""
+    stack = [proto.graph, *proto.functions]
+    while stack:
+        g = stack.pop()
+        if hasattr(g, "initializer"):
+            yield from g.initializer
+            for sparse in g.sparse_initializer:
+                yield sparse.values
+                yield sparse.indices
+        for node in g.node:
+            for a in node.attribute:
+                if a.HasField("t"):
+                    yield a.t
+                yield from a.tensors
+                if a.HasField("g"):
+                    stack.append(a.g)
+                stack.extend(a.graphs)
 
 
 def _check_wellformed(model: Any, p: Path) -> None:
