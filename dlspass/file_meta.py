@@ -102,6 +102,8 @@ def check_pt2_meta(meta: Any, where: str, n_outputs: int | None = None) -> None:
         return
     where = f"{where}: dlspass.json"
     _check_keys(meta, _PT2_KEYS, where)
+    if not str(meta.get("format", "")).startswith("dlspass-"):
+        raise MetadataError(f"{where}: no 'format' of a dlspass file (dlspass-joint or dlspass-step)")
     if meta.get("kind") == "step":
         missing = [k for k in _STEP_REQUIRED if k not in meta]
         if missing:

@@ -59,6 +59,7 @@ _CONSTANTS_CONFIG = f"{_CONSTANTS_DIR}{_MODEL}_constants_config.json"
 _SAMPLE_INPUTS = f"data/sample_inputs/{_MODEL}.pt"
 _TENSOR_CONSTANT = "tensor_"
 _AOTI_DIR = "data/aotinductor/"
+_DLSPASS_META = "extra/dlspass.json"
 _LEGACY = (f"{_WEIGHTS_DIR}{_MODEL}.pt", f"{_CONSTANTS_DIR}{_MODEL}.pt")
 
 # A call target: an operator overload, a higher-order op, or a symbolic-shape op.
@@ -141,6 +142,7 @@ def check_pt2_archive(path: str | Path) -> None:
         archive.check_payload_config(_CONSTANTS_CONFIG, allow_other_prefixes=False)
         archive.check_sample_inputs()
         archive.check_program()
+        archive.check_dlspass_meta()
 
 
 def _members(zf: zipfile.ZipFile, p: Path) -> dict[str, zipfile.ZipInfo]:
@@ -290,6 +292,15 @@ class _Archive:
             if "expr_str" in item:
                 self.check_expr(item["expr_str"])
             stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
+
+    def check_dlspass_meta(self) -> None:
+        """The shape of ``extra/dlspass.json`` (also checked after loading, with the output
+        count): refused here, before torch spends time deserialising the program."""
+        if _DLSPASS_META not in self.members:
+            return
+        from .file_meta import check_pt2_meta
+
+        check_pt2_meta(self.read_json(_DLSPASS_META), str(self.p))
 
     def check_target(self, target: Any) -> None:
         if not isinstance(target, str) or not _TARGET.fullmatch(target):
