@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pt2_craft import SENTINEL, Exec
+from hostile_files import SENTINEL, Exec
 
 from dlspass.checkpoint import (
     CheckpointError,

@@ -10,12 +10,11 @@ from __future__ import annotations
 import time
 import xml.etree.ElementTree as ET
 
-import numpy as np
 import onnx
 import pytest
 import torch
 import torch.fx as fx
-from onnx import TensorProto, helper, numpy_helper
+from hostile_files import chain_onnx
 
 from dlspass import roles
 from dlspass.cli import run
@@ -26,19 +25,9 @@ ESC_NAME = "evil\x1b]0;owned\x07\x1b[2J\x9b31m"
 
 
 def _chain_onnx(n: int, pass_name: str = "p") -> onnx.ModelProto:
-    nodes, prev = [], "x"
-    for i in range(n):
-        node = helper.make_node("Relu", [prev], [f"v{i}"], name=f"{ESC_NAME}{i}" if i < 3 else f"n{i}")
-        if i < 3:
-            e = node.metadata_props.add()
-            e.key, e.value = "dlspass_pass", pass_name
-        nodes.append(node)
-        prev = f"v{i}"
-    nodes.append(helper.make_node("MatMul", [prev, "w"], ["grad.w"], name="mm"))
-    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
-                              [helper.make_tensor_value_info("grad.w", TensorProto.FLOAT, [4, 4])], [w])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    """A Relu chain whose first three nodes carry ESC sequences in their names."""
+    return chain_onnx(n, "Relu", names={i: f"{ESC_NAME}{i}" for i in range(3)},
+                      passes=dict.fromkeys(range(3), pass_name))
 
 
 def test_20k_node_graph_renders_in_seconds(tmp_path, capsys):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pt2_craft import TESTS, members, rewrite
+from hostile_files import TESTS, members, rewrite
 
 from dlspass.cli import run
 

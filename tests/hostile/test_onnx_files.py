@@ -16,24 +16,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from hostile_files import chain_onnx
+from onnx import TensorProto, helper
 
 from dlspass.cli import run
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _chain_model(n: int, op: str = "Identity") -> onnx.ModelProto:
-    """x -> n x ``op`` -> MatMul(., w) -> output ``grad.w`` (a training graph's gradient)."""
-    nodes, prev = [], "x"
-    for i in range(n):
-        nodes.append(helper.make_node(op, [prev], [f"c{i}"], name=f"n{i}"))
-        prev = f"c{i}"
-    nodes.append(helper.make_node("MatMul", [prev, "w"], ["grad.w"], name="mm"))
-    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
-                              [helper.make_tensor_value_info("grad.w", TensorProto.FLOAT, [4, 4])], [w])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
 def _cli(capsys, *args) -> tuple[int, str, float]:
@@ -48,7 +36,7 @@ def test_3000_node_chain_before_a_matmul(tmp_path, capsys, op):
     """The rounding walks follow the chain iteratively: no RecursionError (exit 3)."""
     assert sys.getrecursionlimit() < 3000 * 2
     src = tmp_path / "chain.onnx"
-    onnx.save(_chain_model(3000, op), src)
+    onnx.save(chain_onnx(3000, op), src)
     out = tmp_path / "out.onnx"
     rc, err, seconds = _cli(capsys, "transform", src, "-o", out, "--loss-scale", "none")
     assert rc == 0, err
@@ -67,7 +55,7 @@ def test_3000_node_chain_before_a_matmul(tmp_path, capsys, op):
 
 
 def _external(tmp_path: Path, location: str, *, offset: str | None = None, length: str | None = None) -> Path:
-    model = _chain_model(1)
+    model = chain_onnx(1)
     w = model.graph.initializer[0]
     w.ClearField("raw_data")
     w.ClearField("float_data")
@@ -153,7 +141,7 @@ def test_over_long_input_path_is_an_input_error(tmp_path, capsys):
 # ---- wrong-shaped dlspass metadata in metadata_props -------------------------------------------
 
 def _with_props(tmp_path: Path, name: str, props: dict[str, str]) -> Path:
-    model = _chain_model(2)
+    model = chain_onnx(2)
     helper.set_model_props(model, props)
     p = tmp_path / f"{name}.onnx"
     onnx.save(model, p)

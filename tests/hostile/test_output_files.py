@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from pt2_craft import TESTS, save_tiny
+from hostile_files import TESTS, save_tiny
 
 from dlspass.atomic_write import write_atomic
 from dlspass.cli import run

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pt2_craft import (
+from hostile_files import (
     PAYLOAD,
     SENTINEL,
     TESTS,

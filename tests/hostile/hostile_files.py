@@ -1,4 +1,5 @@
-"""Crafted but well-formed hostile files for the tests in this folder (valid zips, JSON, pickles).
+"""Crafted but well-formed hostile files for the tests in this folder (valid zips, JSON, pickles,
+ONNX protobufs).
 
 Every payload that would run code writes the sentinel file ``PWNED`` into the current folder,
 so a test runs the command in a fresh folder and asserts the sentinel never appears.
@@ -20,6 +21,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -142,6 +144,28 @@ def deflate_bomb(src: Path, dst: Path, rel: str, inflated: int, *, declared: int
                        len(central), len(out), 0)
     dst.write_bytes(bytes(out) + bytes(central) + eocd)
     return dst
+
+
+def chain_onnx(n: int, op: str = "Identity", *, names: dict[int, str] | None = None,
+               passes: dict[int, str] | None = None) -> Any:
+    """x -> n x ``op`` -> MatMul(., w) -> output ``grad.w`` (a training graph's gradient);
+    node ``i`` is named ``names[i]`` (default ``n<i>``) and tagged ``dlspass_pass=passes[i]``."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes, prev = [], "x"
+    for i in range(n):
+        node = helper.make_node(op, [prev], [f"c{i}"], name=(names or {}).get(i, f"n{i}"))
+        if passes and i in passes:
+            entry = node.metadata_props.add()
+            entry.key, entry.value = "dlspass_pass", passes[i]
+        nodes.append(node)
+        prev = f"c{i}"
+    nodes.append(helper.make_node("MatMul", [prev, "w"], ["grad.w"], name="mm"))
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("grad.w", TensorProto.FLOAT, [4, 4])], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
 @dataclass
