@@ -233,7 +233,7 @@ def _check_scaler_state(sd: Any, bad: Any) -> None:
             for k, v in flat.items()}
     from .scale_policy import STATE_FIELDS
 
-    for key in ("scale", *STATE_FIELDS):  # "scale": a torch.amp.GradScaler state_dict
+    for key in ("scale", "_growth_tracker", *STATE_FIELDS):  # torch.amp's keys, then dlspass's
         if key not in flat:
             continue
         v = _scalar(flat[key])

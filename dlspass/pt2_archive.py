@@ -62,7 +62,7 @@ _AOTI_DIR = "data/aotinductor/"
 _DLSPASS_META = "extra/dlspass.json"
 _LEGACY = (f"{_WEIGHTS_DIR}{_MODEL}.pt", f"{_CONSTANTS_DIR}{_MODEL}.pt")
 
-# A call target: an operator overload, a higher-order op, or a symbolic-shape op.
+# A call target: an operator overload, a higher-order op (of _HOPS), or a symbolic-shape op.
 _TARGET = re.compile(r"(torch\.ops\.\w+\.\w+(\.\w+)?|torch\.\w+|_operator\.\w+|math\.\w+)")
 # A symbolic expression: numbers, symbol names (s0, u3, zuf0), the torch/sympy functions below,
 # arithmetic and comparisons. No quotes, attributes, subscripts or powers: nothing that
@@ -81,6 +81,12 @@ _EXPR_NAMES = frozenset({
     "CeilDiv", "LShift", "RShift", "FloatTrueDiv", "IntTrueDiv",
     "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt", "RoundToInt",
     "RoundDecimal", "ToFloat", "Identity",
+})
+_HOPS = frozenset({
+    "cond", "while_loop", "while_loop_stack_output", "map_impl", "scan", "associative_scan",
+    "wrap_with_set_grad_enabled", "wrap_with_autocast", "invoke_subgraph", "auto_functionalized",
+    "auto_functionalized_v2", "with_effects", "flex_attention", "flex_attention_backward",
+    "out_dtype", "run_const_graph", "print", "hints_wrapper", "_export_tracepoint",
 })
 MAX_EXPR_CHARS = 4096
 MAX_GUARDS = 10_000
@@ -376,8 +382,12 @@ def _is_operator(obj: Any) -> bool:
     import torch
     from torch._export.serde.serialize import _SYM_OPS
 
-    if isinstance(obj, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+    if isinstance(obj, torch._ops.OpOverload):
         return True
+    if isinstance(obj, torch._ops.HigherOrderOperator):
+        # control flow and functionalization only: others call compiled code, delegates or
+        # Python functions named in their arguments
+        return obj.name() in _HOPS
     if isinstance(obj, str):
         return True  # left unresolved, torch raises "Unsupported target type" itself
     try:

@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -89,8 +90,10 @@ def rewrite(src: Path, dst: Path, changes: dict[str, bytes | None], *, root: str
     with zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as z:
         for rel, data in files.items():
             z.writestr(f"{root}/{rel}", data)
-        for name, data in extra_raw or []:
-            z.writestr(name, data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Duplicate name": the point of some cases
+            for name, data in extra_raw or []:
+                z.writestr(name, data)
     return dst
 
 

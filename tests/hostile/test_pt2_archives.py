@@ -119,6 +119,8 @@ VECTORS = {
     "target_load_library": ("static", _set_target("torch.ops.load_library"), "is not an operator", False),
     "target_methodcaller": ("static", _set_target("_operator.methodcaller"), "is not an operator", False),
     "target_torch_load": ("static", _set_target("torch.load"), "is not an operator", False),
+    "target_leaf_function_hop": ("static", _set_target("torch.ops.higher_order.invoke_leaf_function"),
+                                 "is not an operator", False),
     "sympy_expression": ("dynamic", _evil_expr, "sympify would evaluate it", True),
     "guards_code": ("dynamic", _evil_guard, "guards_code", True),
     "duplicate_member": ("static", lambda s, d: _duplicate(s, d), "appears twice", False),
