@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,13 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
+    if zipfile.is_zipfile(path):  # torch.save's format; a zip bomb is refused from its directory
+        from .pt2_archive import UnsafeArchiveError, check_zip_bounds
+
+        try:
+            check_zip_bounds(path)
+        except UnsafeArchiveError as e:
+            raise CheckpointError(str(e)) from None
     try:
         data = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for damaged files

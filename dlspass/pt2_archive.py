@@ -151,6 +151,21 @@ def check_pt2_archive(path: str | Path) -> None:
         archive.check_dlspass_meta()
 
 
+def check_zip_bounds(path: str | Path) -> None:
+    """Raise ``UnsafeArchiveError`` when a zip written by ``torch.save`` or
+    ``torch.export.save`` (one root folder) has duplicate, encrypted or oddly compressed
+    members, or members that inflate beyond ``MAX_INFLATION_BYTES`` in total (torch's reader
+    allocates each member's declared size). Reads only the zip directory."""
+    p = Path(path)
+    try:
+        with zipfile.ZipFile(p) as zf:
+            _members(zf, p)
+    except UnsafeArchiveError:
+        raise
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise UnsafeArchiveError(f"{p}: not a readable zip ({excerpt(str(e), 60)})") from None
+
+
 def _members(zf: zipfile.ZipFile, p: Path) -> dict[str, zipfile.ZipInfo]:
     """The members by name relative to the root folder, after the directory-level checks."""
     infos = zf.infolist()

@@ -250,3 +250,24 @@ def test_crafted_dcp_folder_cannot_run_code(tmp_path, monkeypatch, build, words,
         with contextlib.suppress(Exception, CheckpointException):  # whatever follows the payload
             _load(folder, trusted=True)
         assert (work / SENTINEL).exists()
+
+
+def test_zip_bomb_checkpoint_is_refused_from_its_directory(saved, tmp_path):
+    """A checkpoint whose storage record declares 1 GiB of deflated zeros: torch's reader would
+    allocate it; read_checkpoint refuses it before torch opens the file."""
+    import resource
+
+    from hostile_files import deflate_bomb, members
+
+    _, files = members(saved)
+    storage = next(r for r in files if r.startswith("data/") and r[5:].isdigit())
+    bomb = deflate_bomb(saved, checkpoint_path(tmp_path, 99), storage, 2**30)
+    assert bomb.stat().st_size < 4 * 2**20
+    good = save_checkpoint(checkpoint_path(tmp_path, 1), *_run(), step=1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.monotonic()
+    with pytest.raises(CheckpointError, match="zip bomb"):
+        load_checkpoint(bomb, *_run(seed=1))
+    assert latest_checkpoint(tmp_path) == good
+    assert time.monotonic() - t < 30
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 256 * 1024  # KiB
