@@ -97,13 +97,16 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    if zipfile.is_zipfile(path):  # torch.save's format; a zip bomb is refused from its directory
-        from .pt2_archive import UnsafeArchiveError, check_zip_bounds
+    # torch.load allocates the sizes a file declares before reading them: only torch.save's
+    # zip format is read, and its directory is bounded first (a zip bomb is refused from it)
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path}: not a readable checkpoint (not in torch.save's zip format)")
+    from .pt2_archive import UnsafeArchiveError, check_zip_bounds
 
-        try:
-            check_zip_bounds(path)
-        except UnsafeArchiveError as e:
-            raise CheckpointError(str(e)) from None
+    try:
+        check_zip_bounds(path)
+    except UnsafeArchiveError as e:
+        raise CheckpointError(str(e)) from None
     try:
         data = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for damaged files

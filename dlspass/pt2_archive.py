@@ -35,7 +35,7 @@ import operator
 import re
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .bounded_text import excerpt
 from .errors import DLSInputError
@@ -151,14 +151,15 @@ def check_pt2_archive(path: str | Path) -> None:
         archive.check_dlspass_meta()
 
 
-def check_zip_bounds(path: str | Path) -> None:
+def check_zip_bounds(source: str | Path | IO[bytes], name: str | None = None) -> None:
     """Raise ``UnsafeArchiveError`` when a zip written by ``torch.save`` or
     ``torch.export.save`` (one root folder) has duplicate, encrypted or oddly compressed
     members, or members that inflate beyond ``MAX_INFLATION_BYTES`` in total (torch's reader
-    allocates each member's declared size). Reads only the zip directory."""
-    p = Path(path)
+    allocates each member's declared size). Reads only the zip directory; ``name`` names a
+    file-like ``source`` in messages."""
+    p = Path(name if name is not None else str(source))
     try:
-        with zipfile.ZipFile(p) as zf:
+        with zipfile.ZipFile(source) as zf:
             _members(zf, p)
     except UnsafeArchiveError:
         raise
@@ -280,6 +281,11 @@ class _Archive:
         import torch
 
         raw = self.read(_SAMPLE_INPUTS, info.file_size)
+        # torch.load allocates what the nested zip declares (and the legacy non-zip format
+        # what its stream declares) before reading: bound it first
+        if not zipfile.is_zipfile(io.BytesIO(raw)):
+            raise self.fail(f"{_SAMPLE_INPUTS} is not in torch.save's zip format")
+        check_zip_bounds(io.BytesIO(raw), f"{self.p}: {_SAMPLE_INPUTS}")
         try:
             loaded = torch.load(io.BytesIO(raw), weights_only=True)
         except Exception as e:

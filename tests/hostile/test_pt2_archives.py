@@ -246,3 +246,37 @@ def test_canonical_exec_payload_through_the_real_entry_point(base, tmp_path):
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("dlspass: error:"), res.stderr
     assert not (work / SENTINEL).exists()
     assert res.seconds < 60 and res.peak_rss_mb < 1024
+
+
+def test_nested_zip_bomb_in_sample_inputs_is_refused(base, tmp_path):
+    """``data/sample_inputs/model.pt`` is itself a torch.save zip: one whose storage record
+    declares 1 GiB of deflated zeros is refused before ``torch.load`` would allocate it."""
+    import resource
+
+    import torch
+
+    inner = tmp_path / "inputs.pt"
+    torch.save((torch.zeros(4),), inner)
+    _, files = members(inner)
+    storage = next(r for r in files if r.startswith("data/") and r[5:].isdigit())
+    bomb_inputs = deflate_bomb(inner, tmp_path / "bomb_inputs.pt", storage, 2**30)
+    evil = rewrite(base["static"], tmp_path / "nested.pt2",
+                   {"data/sample_inputs/model.pt": bomb_inputs.read_bytes()})
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.monotonic()
+    with pytest.raises(UnsafeArchiveError, match="zip bomb"):
+        check_pt2_archive(evil)
+    assert time.monotonic() - t < 30
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 256 * 1024  # KiB
+
+
+def test_sample_inputs_in_the_legacy_stream_format_are_refused(base, tmp_path):
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save((torch.zeros(4),), buf, _use_new_zipfile_serialization=False)
+    evil = rewrite(base["static"], tmp_path / "legacy_inputs.pt2", {"data/sample_inputs/model.pt": buf.getvalue()})
+    with pytest.raises(UnsafeArchiveError, match="zip format"):
+        check_pt2_archive(evil)
