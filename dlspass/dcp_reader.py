@@ -8,8 +8,9 @@ crafted folder runs code on load. ``load_untrusted`` reads the same format with:
 * ``.metadata`` through an unpickler that resolves only the metadata classes DCP writes
   (``Metadata``, ``TensorStorageMetadata``, ..., ``torch.Size``, dtypes, layouts, paths), so
   a pickle that names ``builtins.exec`` or any other callable fails to load;
-* every storage entry checked before a byte is read: a plain file name inside the folder, a
-  regular file, ``offset + length`` inside it, at most ``MAX_ITEM_BYTES``, no stream transforms;
+* every storage entry checked before torch reads it: a plain file name inside the folder, a
+  regular file, ``offset + length`` inside it, at most ``MAX_ITEM_BYTES``, no stream
+  transforms, and a torch.save zip whose members inflate within bounds (no zip bomb);
 * non-tensor values loaded with ``torch.load(weights_only=True)`` (tensors already are).
 """
 
@@ -19,6 +20,7 @@ import io
 import os
 import pickle
 import stat
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,18 @@ def _check_storage(folder: Path, index: Any, info: Any) -> None:
             or offset < 0 or length < 0 or length > MAX_ITEM_BYTES or offset + length > size:
         raise UnsafeCheckpointError(f"{folder}: storage entry {excerpt(str(index), 80)} lies "
                                     f"outside {excerpt(name, 60)} or is too large")
+    # every item is a torch.save zip, which torch.load inflates to the sizes it declares
+    with open(folder / name, "rb") as f:
+        f.seek(offset)
+        blob = io.BytesIO(f.read(length))
+    from .pt2_archive import UnsafeArchiveError, check_zip_bounds
+
+    try:
+        if not zipfile.is_zipfile(blob):
+            raise UnsafeArchiveError("not in torch.save's zip format")
+        check_zip_bounds(blob, f"storage entry {excerpt(str(index), 80)}")
+    except UnsafeArchiveError as e:
+        raise UnsafeCheckpointError(f"{folder}: {e}") from None
 
 
 def _reader_and_planner(folder: Path, meta: Any) -> tuple[Any, Any]:

@@ -226,10 +226,29 @@ def _escaping_path(tmp_path: Path) -> Path:
     return folder
 
 
+def _bomb_item(tmp_path: Path) -> Path:
+    """The loss-scale item replaced by a torch.save zip whose storage declares 1 GiB."""
+    from hostile_files import deflate_bomb, members
+
+    _, folder = _scaler_folder(tmp_path / "bomb")
+    inner = tmp_path / "scale.pt"
+    torch.save(torch.tensor(1.0), inner)
+    storage = next(r for r in members(inner)[1] if r.startswith("data/") and r[5:].isdigit())
+    blob = deflate_bomb(inner, tmp_path / "scale_bomb.pt", storage, 2**30).read_bytes()
+    (folder / "bomb.distcp").write_bytes(blob)
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # our own file: trusted here
+    for index, info in meta.storage_data.items():
+        if index.fqn.endswith("loss_scale"):
+            info.relative_path, info.offset, info.length = "bomb.distcp", 0, len(blob)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    return folder
+
+
 @pytest.mark.parametrize(("build", "words", "live"), [
     (_evil_metadata, "builtins.exec", True),
     (_evil_value, "cannot be loaded without pickle", True),
     (_escaping_path, "does not name a file in the checkpoint folder", False),
+    (_bomb_item, "zip bomb", False),
 ])
 def test_crafted_dcp_folder_cannot_run_code(tmp_path, monkeypatch, build, words, live):
     from dlspass.dcp_reader import UnsafeCheckpointError
