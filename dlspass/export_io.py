@@ -44,7 +44,7 @@ from .atomic_write import write_atomic  # also imported from here by cli and onn
 from .config import DLSConfig
 from .errors import DLSInputError
 from .file_meta import check_pt2_meta
-from .pt2_archive import save_pt2
+from .pt2_archive import check_pt2_archive, save_pt2
 
 META_FILE = "dlspass.json"
 FORMAT_VERSION = 1
@@ -148,9 +148,7 @@ def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[s
     p = check_input_file(path, (".pt2",))
     if not zipfile.is_zipfile(p):
         raise InputError(f"{p}: not a .pt2 archive (not a zip file; truncated or corrupt?)")
-    from .pt2_archive import check_pt2_archive  # refuses what torch would unpickle or inflate
-
-    check_pt2_archive(p)
+    check_pt2_archive(p)  # refuses what torch would unpickle, evaluate or inflate without bound
     import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format for deserialisation
 
     extra = {META_FILE: ""}
