@@ -303,6 +303,13 @@ def _check_numbers(d: dict[str, Any], where: str, bad: Any) -> None:
                 raise bad(f"{where}.{k}", f"expected a finite number, got {x!r}")
 
 
+# torch.optim state entries shaped like their parameter (others, such as Adafactor's factored
+# row/column statistics, have shapes of their own and are only checked to be finite)
+_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
+                           "square_avg", "acc_delta", "sum", "grad_avg", "prev", "step_size",
+                           "exp_inf", "ax"})
+
+
 def _check_optimizer(sd: dict[str, Any], optimizer: torch.optim.Optimizer, bad: Any) -> None:
     groups, state = sd.get("param_groups"), sd.get("state")
     if not isinstance(groups, list) or not isinstance(state, dict):
@@ -328,7 +335,7 @@ def _check_optimizer(sd: dict[str, Any], optimizer: torch.optim.Optimizer, bad: 
             if isinstance(v, torch.Tensor):
                 if type(v) is not torch.Tensor:
                     raise bad(f"optimizer.state[{pid}].{k}", "is not a plain tensor")
-                if v.dim() > 0 and v.shape != shapes[pid]:
+                if k in _PARAM_SHAPED and v.shape != shapes[pid]:
                     raise bad(f"optimizer.state[{pid}].{k}", f"shape {tuple(v.shape)} does not match "
                               f"the parameter's {tuple(shapes[pid])}")
                 if v.is_floating_point() and not bool(torch.isfinite(v).all()):

@@ -290,3 +290,18 @@ def test_zip_bomb_checkpoint_is_refused_from_its_directory(saved, tmp_path):
     assert latest_checkpoint(tmp_path) == good
     assert time.monotonic() - t < 30
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 256 * 1024  # KiB
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adafactor, torch.optim.NAdam, torch.optim.Rprop, torch.optim.ASGD])
+def test_optimizers_with_state_of_their_own_shape_still_restore(tmp_path, cls):
+    """The shape check covers the parameter-shaped state only: Adafactor's factored row/column
+    statistics and NAdam's scalar mu_product restore as before."""
+    model = torch.nn.Linear(4, 3)
+    opt = cls(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    p = save_checkpoint(tmp_path / "c.pt", model, opt, None, None, step=1)
+    fresh_model = torch.nn.Linear(4, 3)
+    fresh = cls(fresh_model.parameters())
+    assert load_checkpoint(p, fresh_model, fresh) == 1
+    assert _same(fresh.state_dict(), opt.state_dict())
