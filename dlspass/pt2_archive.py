@@ -69,7 +69,9 @@ _TARGET = re.compile(r"(torch\.ops\.\w+\.\w+(\.\w+)?|torch\.\w+|_operator\.\w+|m
 # sympify's eval could turn into a call of a Python builtin or an exponential computation.
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w{0,199}")
 # Symbolic sizes as torch writes them (sympy's srepr): "Mul(Integer(2), Symbol('s0',
-# positive=True, integer=True))". Powers are left out: Pow(9, 10**9) would compute.
+# positive=True, integer=True))". Left out because they compute without bound on small
+# literals: powers (Pow(9, 10**9)), LShift, RoundDecimal; keyword values are capped (a Float's
+# precision=10**18 would too).
 _EXPR_NAMES = frozenset({
     "Symbol", "Integer", "Rational", "Float", "Half", "One", "Zero", "NegativeOne", "Infinity",
     "NegativeInfinity", "oo", "true", "false", "BooleanTrue", "BooleanFalse",
@@ -78,9 +80,9 @@ _EXPR_NAMES = frozenset({
     "Unequality", "And", "Or", "Not",
     # torch.utils._sympy.functions, as ExportedProgramDeserializer maps them (no powers)
     "FloorDiv", "ModularIndexing", "Where", "PythonMod", "CleanDiv", "CeilToInt", "FloorToInt",
-    "CeilDiv", "LShift", "RShift", "FloatTrueDiv", "IntTrueDiv",
+    "CeilDiv", "RShift", "FloatTrueDiv", "IntTrueDiv",
     "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt", "RoundToInt",
-    "RoundDecimal", "ToFloat", "Identity",
+    "ToFloat", "Identity",
 })
 _HOPS = frozenset({
     "cond", "while_loop", "while_loop_stack_output", "map_impl", "scan", "associative_scan",
@@ -354,7 +356,7 @@ class _Archive:
 def _python_subset(text: Any, names: frozenset[str], attrs: frozenset[str], *, keywords: bool) -> bool:
     """Whether ``text`` parses as an expression made only of arithmetic, comparisons, calls of
     ``names`` (or methods in ``attrs``), numbers below 2**64, identifier-like strings and, with
-    ``keywords``, ``name=True/False`` arguments. No attribute escapes, no powers (an
+    ``keywords``, ``name=value`` arguments of booleans or integers up to 4096. No attribute escapes, no powers (an
     exponential computation), no string that could close the literal torch pastes it into."""
     import ast
 
@@ -373,7 +375,7 @@ def _python_subset(text: Any, names: frozenset[str], attrs: frozenset[str], *, k
             continue
         if isinstance(node, ast.keyword) and keywords and node.arg is not None \
                 and _IDENTIFIER.fullmatch(node.arg) and isinstance(node.value, ast.Constant) \
-                and isinstance(node.value.value, (bool, int)) and abs(node.value.value) < 2**64:
+                and isinstance(node.value.value, (bool, int)) and abs(node.value.value) <= 4096:
             continue
         if isinstance(node, ast.Constant) and (
                 isinstance(node.value, bool) or node.value is None

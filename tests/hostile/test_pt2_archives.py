@@ -280,3 +280,28 @@ def test_sample_inputs_in_the_legacy_stream_format_are_refused(base, tmp_path):
     evil = rewrite(base["static"], tmp_path / "legacy_inputs.pt2", {"data/sample_inputs/model.pt": buf.getvalue()})
     with pytest.raises(UnsafeArchiveError, match="zip format"):
         check_pt2_archive(evil)
+
+
+@pytest.mark.parametrize("expr", [
+    "Pow(Integer(9), Integer(999999999))", "LShift(Integer(1), Integer(10000000000000))",
+    "Float('1.0', precision=1000000000000)", "Symbol('s0').__class__", "Integer(2)**Integer(99999999)",
+    "RoundDecimal(Float('1.5'), Integer(999999999999))",
+])
+def test_expressions_that_compute_without_bound_are_refused(base, tmp_path, expr):
+    """Not code execution but unbounded time or memory inside sympify: refused by the grammar."""
+    def edit(prog: dict) -> None:
+        stack = [prog]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, dict):
+                if "expr_str" in item:
+                    item["expr_str"] = expr
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+
+    evil = edit_json(base["dynamic"], tmp_path / "dos.pt2", MODEL, edit)
+    t = time.monotonic()
+    with pytest.raises(UnsafeArchiveError, match="sympify"):
+        check_pt2_archive(evil)
+    assert time.monotonic() - t < 30
