@@ -8,6 +8,7 @@ one line on stderr (``dlspass: error: ...``), never a traceback; ``DLSPASS_DEBUG
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -16,13 +17,16 @@ from typing import Annotated, Any
 
 import typer
 
+from .bounded_text import excerpt, one_line
 from .config import ConfigError
 from .errors import DLSInputError
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
-# Exceptions that mean "the input is wrong": one line on stderr and exit 2.
-_BAD_INPUT = (DLSInputError, ConfigError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-              PermissionError)
+# Exceptions that mean "the input is wrong": one line on stderr and exit 2. OSError covers
+# the file system's refusals (a name too long, a loop of links, no permission, a full disk).
+_BAD_INPUT = (DLSInputError, ConfigError, ValueError, OSError)
+MAX_ERROR_CHARS = 600
+"""Longest error line: messages quote input (names, values, paths), which may be huge."""
 
 _HELP = """Dynamic loss scaling for mixed-precision training, as compiler passes on PyTorch graphs.
 
@@ -103,19 +107,35 @@ def _parse_loss_scale(value: str | None) -> str | float | None:
     if value in ("dynamic", "none"):
         return None if value == "none" else value
     try:
-        return float(value)
+        scale = float(value)
     except ValueError:
-        raise typer.BadParameter(f"expected 'dynamic', 'none' or a number, got {value!r}",
+        raise typer.BadParameter(f"expected 'dynamic', 'none' or a number, got {excerpt(value)}",
                                  param_hint="--loss-scale") from None
+    _check_number("--loss-scale", scale, positive=True)
+    return scale
 
 
 def _parse_betas(value: str) -> tuple[float, float]:
     try:
         b1, b2 = (float(v) for v in value.split(","))
     except ValueError:
-        raise typer.BadParameter(f"expected two numbers like 0.9,0.999, got {value!r}",
+        raise typer.BadParameter(f"expected two numbers like 0.9,0.999, got {excerpt(value)}",
                                  param_hint="--betas") from None
+    for b in (b1, b2):
+        if not 0 <= b < 1:  # also refuses nan
+            raise typer.BadParameter(f"expected two numbers in [0, 1), got {excerpt(value)}",
+                                     param_hint="--betas")
     return b1, b2
+
+
+def _check_number(flag: str, value: float | None, *, positive: bool = False) -> None:
+    """A hyperparameter flag must be finite and >= 0 (> 0 with ``positive``), as torch.optim
+    requires; inf or nan would be accepted by torch and turn the first step's weights to NaN."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        want = "a finite number > 0" if positive else "a finite number >= 0"
+        raise typer.BadParameter(f"expected {want}, got {value!r}", param_hint=flag)
 
 
 _FP16 = ["float16", "bfloat16", "cbfloat16"]
@@ -210,14 +230,18 @@ def transform(
     )
 
     if fp16_type is not None and fp16_type not in _FP16:
-        raise typer.BadParameter(f"expected one of {', '.join(_FP16)}, got {fp16_type!r}",
+        raise typer.BadParameter(f"expected one of {', '.join(_FP16)}, got {excerpt(fp16_type)}",
                                  param_hint="--fp16-type")
     if precision_mode not in ("emulate", "native"):
-        raise typer.BadParameter(f"expected emulate or native, got {precision_mode!r}",
+        raise typer.BadParameter(f"expected emulate or native, got {excerpt(precision_mode)}",
                                  param_hint="--precision-mode")
     fmt = to or ("onnx" if output.suffix == ".onnx" else "pt2")
     if fmt not in ("pt2", "onnx"):
-        raise typer.BadParameter(f"expected pt2 or onnx, got {to!r}", param_hint="--to")
+        raise typer.BadParameter(f"expected pt2 or onnx, got {excerpt(to)}", param_hint="--to")
+    for flag, value, positive in (("--lr", lr, True), ("--momentum", momentum, False),
+                                  ("--weight-decay", weight_decay, False), ("--eps", eps, False),
+                                  ("--max-gradient-norm", max_gradient_norm, True)):
+        _check_number(flag, value, positive=positive)
     scale = _parse_loss_scale(loss_scale)
     opt = OptimizerSpec(kind=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay,
                         betas=_parse_betas(betas), eps=eps)
@@ -276,7 +300,8 @@ def inspect(
     from .inspect_report import FORMATS, render, summarize_file
 
     if fmt not in FORMATS:
-        raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}, got {fmt!r}", param_hint="--format")
+        raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}, got {excerpt(fmt)}",
+                                 param_hint="--format")
     out = check_output_path(output, tuple({".txt", ".json", ".svg", ".html", f".{fmt}"})) if output else None
     report = summarize_file(file)
     other = summarize_file(diff) if diff is not None else None
@@ -316,10 +341,11 @@ def _is_verification_error(exc: BaseException) -> bool:
 
 
 def _one_line(exc: BaseException | str) -> str:
+    """The message on one printable line of at most ``MAX_ERROR_CHARS`` characters."""
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
-        return f"{exc.filename}: {exc.strerror}"
+        return one_line(f"{exc.filename}: {exc.strerror}", MAX_ERROR_CHARS)
     text = str(exc).strip() or type(exc).__name__
-    return " ".join(text.split())
+    return one_line(text, MAX_ERROR_CHARS)
 
 
 def main(argv: list[str] | None = None) -> int:

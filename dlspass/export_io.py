@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -41,8 +40,11 @@ import torch.fx as fx
 from torch import Tensor
 
 from . import roles
+from .atomic_write import write_atomic  # also imported from here by cli and onnx_io
 from .config import DLSConfig
 from .errors import DLSInputError
+from .file_meta import check_pt2_meta
+from .pt2_archive import check_pt2_archive, save_pt2
 
 META_FILE = "dlspass.json"
 FORMAT_VERSION = 1
@@ -141,28 +143,12 @@ def check_output_path(path: str | Path, suffixes: tuple[str, ...]) -> Path:
     return p
 
 
-def write_atomic(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)`` then move the temp file onto ``path``: never a half file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix,
-                               dir=str(path.parent) if str(path.parent) else ".")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual file mode
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[str, Any] | None]:
     """Load a ``.pt2``; returns the program and its ``dlspass.json`` (None when absent)."""
     p = check_input_file(path, (".pt2",))
     if not zipfile.is_zipfile(p):
         raise InputError(f"{p}: not a .pt2 archive (not a zip file; truncated or corrupt?)")
+    check_pt2_archive(p)  # refuses what torch would unpickle, evaluate or inflate without bound
     import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format for deserialisation
 
     extra = {META_FILE: ""}
@@ -181,13 +167,14 @@ def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[s
             meta = json.loads(raw)
         except json.JSONDecodeError:
             raise InputError(f"{p}: its {META_FILE} is not valid JSON") from None
+    check_pt2_meta(meta, str(p), len(ep.graph_signature.output_specs))  # shape of dlspass.json
     return ep, meta
 
 
 def save_program(ep: torch.export.ExportedProgram, path: Path, meta: dict[str, Any] | None) -> None:
     """Save ``ep`` (and ``meta`` as ``dlspass.json``) atomically to ``path``."""
     extra = {META_FILE: json.dumps(meta, sort_keys=True)} if meta is not None else None
-    write_atomic(path, lambda tmp: torch.export.save(ep, tmp, extra_files=extra))
+    write_atomic(path, lambda tmp: save_pt2(ep, tmp, extra))  # stable inner folder name
 
 
 # ---- export -------------------------------------------------------------------------------
