@@ -317,7 +317,11 @@ def dcp_state_dict(scaler: Any) -> dict[str, Any]:
     The configuration goes in as a JSON string (DCP stores non-tensor values as bytes); tensors
     are plain (replicated), so DCP writes one copy however many ranks save.
     """
-    sd = scaler.state_dict()
+    from .scaler import GradScaler
+
+    # dlspass's own layout even for TorchGradScaler, whose state_dict() speaks torch's keys:
+    # it carries the format version and config, and TorchGradScaler loads it back.
+    sd = GradScaler.state_dict(scaler)
     out: dict[str, Any] = {k: v for k, v in sd.items() if isinstance(v, Tensor)}
     out["format_version"] = sd["format_version"]
     out["config_json"] = json.dumps(sd.get("config", {}), sort_keys=True)
