@@ -341,8 +341,8 @@ def _export_forward_backward(ep: torch.export.ExportedProgram) -> torch.export.E
     """``torch.export.experimental._export_forward_backward(ep, 0)`` with a stride-correct
     flash-attention decomposition (see ``_flash_attention_cpu_decomposition``)."""
     from torch._decomp import core_aten_decompositions
-    from torch.export.exported_program import _decompose_exported_program
     from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
+    from torch.export.exported_program import _decompose_exported_program
 
     table = core_aten_decompositions()
     op, fixed = _flash_attention_cpu_decomposition()
@@ -677,21 +677,32 @@ def package_step(gm: fx.GraphModule, info: StepInfo) -> tuple[torch.export.Expor
 
 # ---- the whole transform -----------------------------------------------------------------------
 
+ROUNDINGS = ("aten", "op")
+
+
 def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | None,
                       config: DLSConfig | None, optimizer: OptimizerSpec, *,
-                      precision_mode: str = "emulate", source: str = "input"
-                      ) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
+                      precision_mode: str = "emulate", source: str = "input",
+                      rounding: str = "aten") -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
     """The DLS training step of the joint (or plain loss) program ``ep`` and its metadata.
 
-    A program that is already a dlspass step is returned unchanged when ``config``, optimizer
-    and precision mode are the ones it was built with, and refused otherwise.
+    ``rounding="aten"`` writes each emulated rounding as core aten bit operations
+    (``dlspass.formats.round_bits``), so the program loads and runs wherever torch does;
+    ``"op"`` keeps the ``dlspass::round_to_format`` custom op (loading then needs
+    ``import dlspass.formats``). A program that is already a dlspass step is returned unchanged
+    when ``config``, optimizer, precision mode and rounding are the ones it was built with, and
+    refused otherwise.
     """
     from dlspass.passes import apply_dls
 
+    if rounding not in ROUNDINGS:
+        raise InputError(f"--rounding: expected one of {', '.join(ROUNDINGS)}, got {rounding!r}")
     wanted = {"config": None if config is None else config.to_dict(),
-              "optimizer": optimizer.to_dict(), "precision_mode": precision_mode}
+              "optimizer": optimizer.to_dict(), "precision_mode": precision_mode,
+              "rounding": rounding}
     if meta is not None and meta.get("kind") == "step":
-        have = {k: meta.get(k) for k in wanted}
+        # steps written before --rounding existed kept the custom op
+        have = {k: meta.get(k, "op" if k == "rounding" else None) for k in wanted}
         if json.dumps(have, sort_keys=True) == json.dumps(wanted, sort_keys=True):
             return ep, meta
         raise InputError(f"{source}: already a dlspass training step built with "
@@ -701,6 +712,10 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
         ep = joint_program(ep, source)
     gm, info = build_step(ep, optimizer, config, source)
     gm = apply_dls(gm, config, precision_mode=precision_mode)
+    if rounding == "aten":
+        from .formats import decompose_rounding
+
+        decompose_rounding(gm, form="bits")
     out, roles_meta = package_step(gm, info)
     full = {"format": "dlspass-step", "version": FORMAT_VERSION, "kind": "step", **wanted,
             **roles_meta, "inputs": info.inputs,
