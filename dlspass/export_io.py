@@ -25,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import io
 import json
 import logging
 import os
@@ -237,7 +238,8 @@ def export_factory(spec: str) -> torch.export.ExportedProgram:
     model, inputs = made
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     try:
-        with quiet_torch():
+        # torch prints the partial graph of a failed export to stderr: the error names it
+        with quiet_torch(), contextlib.redirect_stderr(io.StringIO()):
             ep = torch.export.export(model, inputs)
     except Exception as e:
         raise ExportError(f"{spec}: torch.export.export failed on the model ({_torch_error(e)})") from e
@@ -313,41 +315,37 @@ def merge_tied_parameters(ep: torch.export.ExportedProgram) -> torch.export.Expo
     return ep._update(gm, new_sig, state_dict=state)
 
 
-def _flash_attention_cpu_decomposition() -> Any:
-    """torch's decomposition of the CPU flash-attention op, returning the op's output layout.
+def _attention_in_math_ops(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                           enable_gqa: bool = False) -> Tensor:
+    """``scaled_dot_product_attention`` as torch's math attention, laid out as the CPU kernel.
 
-    The op's kernel and meta function return the output with ``query``'s strides (the ``(B, S,
-    H, D)`` memory order of ``q.transpose(1, 2)``), so export drops a later ``.contiguous()``;
-    torch's decomposition returns another layout and the model's next ``view`` fails
-    (pytorch#136543). Laying the output out in ``query``'s memory order restores the layout
-    the graph assumed.
+    Left to itself, the joint trace differentiates the CPU flash-attention op and then
+    decomposes its forward into the math form, whose second output is not the logsumexp the
+    flash backward reads: the query/key/value gradients come out wrong. Its output layout also
+    differs from the kernel's (``query``'s strides), which export relied on when it dropped the
+    model's ``.contiguous()``, so a later ``view`` fails (pytorch#136543). Decomposing the op
+    above autograd into the math ops, laid out in ``query``'s memory order, fixes both.
     """
-    from torch._decomp import core_aten_decompositions
-
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    base = core_aten_decompositions()[op]
-
-    def decomposition(query: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        out, lse = base(query, *args, **kwargs)
-        # query's memory order (outermost dim first), made contiguous then viewed back
-        order = sorted(range(query.dim()), key=lambda d: -query.stride(d))
-        back = sorted(range(query.dim()), key=order.__getitem__)
-        return out.permute(order).contiguous().permute(back), lse
-
-    return op, decomposition
+    out, _ = torch.ops.aten._scaled_dot_product_attention_math.default(
+        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)
+    order = sorted(range(query.dim()), key=lambda d: -query.stride(d))  # outermost first
+    back = sorted(range(query.dim()), key=order.__getitem__)
+    return out.permute(order).contiguous().permute(back)
 
 
 def _export_forward_backward(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``torch.export.experimental._export_forward_backward(ep, 0)`` with a stride-correct
-    flash-attention decomposition (see ``_flash_attention_cpu_decomposition``)."""
+    """``torch.export.experimental._export_forward_backward(ep, 0)`` with attention decomposed
+    by ``_attention_in_math_ops``."""
     from torch._decomp import core_aten_decompositions
     from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
     from torch.export.exported_program import _decompose_exported_program
 
-    table = core_aten_decompositions()
-    op, fixed = _flash_attention_cpu_decomposition()
-    table[op] = fixed
-    ep = _decompose_exported_program(ep, cia_to_decomp={}, python_decomp_table=table,
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    if any(n.target is sdpa for n in ep.graph.nodes):
+        # first attention alone, so that autograd below sees only math ops
+        ep = ep.run_decompositions({sdpa: _attention_in_math_ops})
+    ep = _decompose_exported_program(ep, cia_to_decomp={}, python_decomp_table=core_aten_decompositions(),
                                      joint_loss_index=0, decompose_custom_triton_ops=False)
     gm, sig = _copy_graph_module_and_signature(ep)
     _remove_detach_pass(gm, sig)

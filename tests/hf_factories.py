@@ -119,3 +119,75 @@ FACTORIES: dict[str, Callable[[], tuple[nn.Module, tuple[Tensor, ...]]]] = {
 BATCHES: dict[str, Callable[[int, float], tuple[Tensor, ...]]] = {
     "gpt2": _lm, "bert": _tokens, "t5": _tokens, "vit": _images, "resnet": _resnet_images,
     "convnext": _images}
+
+
+# ---- the CLI against eager: shared by the CLI tests and the model matrix ----------------------
+
+def batches(make: Callable[[int, float], tuple[Tensor, ...]], n: int, overflow_at: int | None
+            ) -> list[tuple[Tensor, ...]]:
+    """``n`` batches of ``make``; step ``overflow_at`` multiplies the loss by inf."""
+    return [make(i, float("inf") if i == overflow_at else 1.0) for i in range(n)]
+
+
+def train_eager(factory: Callable[[], tuple[nn.Module, tuple[Tensor, ...]]], config: object,
+                optimizer: object, data: list[tuple[Tensor, ...]]) -> dict[str, object]:
+    """Train ``factory()``'s model eagerly with ``dlspass.GradScaler(config=config)`` and the
+    optimizer ``optimizer.make(...)`` (an ``OptimizerSpec``), torch.amp's loop; the reference
+    for a CLI-built step with the same settings."""
+    from dlspass.scaler import GradScaler
+
+    model, _ = factory()
+    opt = optimizer.make(list(model.parameters()))  # type: ignore[attr-defined]
+    scaler = GradScaler(config=config)  # type: ignore[arg-type]
+    losses, scales, skipped = [], [], []
+    for batch in data:
+        loss = model(*batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        scales.append(float(scaler.get_scale()))
+        skipped.append(int(scaler.get_num_skipped_steps()))
+    return {"losses": losses, "scales": scales, "skipped": skipped,
+            "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+            "buffers": {k: v.detach().clone() for k, v in model.named_buffers()}}
+
+
+def train_step_file(path: object, data: list[tuple[Tensor, ...]]) -> dict[str, object]:
+    """Load a ``dlspass transform`` ``.pt2`` with ``torch.export.load`` alone and run it over
+    ``data`` (one step per call, in place, under ``torch.no_grad``)."""
+    m = torch.export.load(str(path)).module()
+    losses, scales, skipped = [], [], []
+    with torch.no_grad():
+        for batch in data:
+            losses.append(float(m(*batch)))
+            bufs = dict(m.named_buffers())
+            scales.append(float(bufs["dlspass_scaler_loss_scale"]))
+            skipped.append(int(bufs["dlspass_scaler_num_skipped_steps"]))
+    return {"losses": losses, "scales": scales, "skipped": skipped,
+            "params": {k: v.detach().clone() for k, v in m.named_parameters()},
+            "buffers": {k: v.detach().clone() for k, v in m.named_buffers()
+                        if not k.startswith("dlspass_")}}
+
+
+def assert_same_training(got: dict, ref: dict, overflow_at: int | None, rel: float) -> None:
+    """``got`` follows ``ref``: the same skips and scales, losses and final parameters (and
+    buffers) within ``rel`` of the largest entry, every weight finite; the overflow step's loss
+    is non-finite in both."""
+    assert got["skipped"] == ref["skipped"]
+    assert got["scales"] == ref["scales"]
+    if overflow_at is not None:
+        assert got["skipped"][overflow_at] == 1 and got["skipped"][-1] == 1
+        assert got["scales"][overflow_at] < got["scales"][overflow_at - 1]
+    for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+        if i == overflow_at:
+            assert not torch.isfinite(torch.tensor([a, b])).any()
+        else:
+            assert abs(a - b) <= rel * max(abs(b), 1e-6), f"step {i}: loss {a} vs {b}"
+    for group in ("params", "buffers"):
+        assert set(got[group]) == set(ref[group]), group
+        for k, v in ref[group].items():
+            assert torch.isfinite(got[group][k]).all(), k
+            err = float((got[group][k].double() - v.double()).abs().max())
+            assert err <= rel * max(float(v.double().abs().max()), 1e-6), f"{k}: {err}"
