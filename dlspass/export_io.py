@@ -327,6 +327,9 @@ def _attention_in_math_ops(query: Tensor, key: Tensor, value: Tensor, attn_mask:
     model's ``.contiguous()``, so a later ``view`` fails (pytorch#136543). Decomposing the op
     above autograd into the math ops, laid out in ``query``'s memory order, fixes both.
     """
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # as the public op does before it picks a backend: the math kernel adds the mask
+        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
     out, _ = torch.ops.aten._scaled_dot_product_attention_math.default(
         query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)
     order = sorted(range(query.dim()), key=lambda d: -query.stride(d))  # outermost first

@@ -4,7 +4,7 @@ Each ``FACTORY()`` returns ``(model, example_inputs)`` with ``model(*inputs)`` t
 times ``mult`` (the last input; an inf there forces an overflow step). ``BATCHES[name](step,
 mult)`` gives deterministic batches of the example's shapes.
 
-- ``attention``: ``scaled_dot_product_attention`` on transposed heads, then
+- ``attention``: ``scaled_dot_product_attention`` (bool causal mask) on transposed heads, then
   ``transpose(1, 2).reshape(...).view(...)`` (GPT-2's attention output: export failed in torch's
   flash-attention decomposition, pytorch#136543, and its gradients came out wrong);
 - ``tied``: an embedding whose weight is also the output layer's (BERT, T5);
@@ -32,7 +32,8 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, y: Tensor, mult: Tensor) -> Tensor:
         b, s, _ = x.shape
         q, k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, -1))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        causal = torch.ones(s, s, dtype=torch.bool).tril()  # a bool mask, as GPT-2 passes
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
         a = a.transpose(1, 2).reshape(b, s, 16)
         return F.mse_loss(self.out(a.view(-1, 16)), y.view(-1, 4)) * mult
 
