@@ -10,7 +10,6 @@ runs in the default suite; the others take longer and are marked slow.
 
 from __future__ import annotations
 
-import dataclasses
 
 import cli_factories as cf
 import hf_factories as hf
@@ -66,4 +65,3 @@ def test_cbfloat16_step_skips_like_eager_and_stays_finite(name, tmp_path):
         # rounded matmuls move the weights, but not far from the fp32 step's
         err = float((v - fp32["params"][k]).abs().max())
         assert err <= 0.05 * max(float(fp32["params"][k].abs().max()), 1e-3), k
-    del dataclasses
