@@ -10,7 +10,6 @@ runs in the default suite; the others take longer and are marked slow.
 
 from __future__ import annotations
 
-
 import cli_factories as cf
 import hf_factories as hf
 import pytest
