@@ -148,6 +148,8 @@ def export(
 
     To .onnx: outputs loss and grad.<param>, the backward seed is the input loss_seed (feed 1.0) and the parameters are inputs; `dlspass transform joint.onnx -o dls.onnx` then inserts DLS.
 
+    Tied parameters (one tensor under two names, e.g. an embedding shared with the output layer) become one parameter under its first name, trained with the sum of both gradients as torch.optim does. A model torch cannot export (torch.export.export or the trace of its backward fails) exits 2 with one line naming torch's error; exit 3 is kept for failures inside dlspass.
+
     Example: dlspass export tests.cli_factories:mlp -o mlp.pt2
     """  # noqa: E501 - typer keeps a docstring's line breaks in --help
     from .export_io import check_output_path, export_factory, save_program
