@@ -155,20 +155,14 @@ def train_eager(factory: Callable[[], tuple[nn.Module, tuple[Tensor, ...]]], con
 
 
 def train_step_file(path: object, data: list[tuple[Tensor, ...]]) -> dict[str, object]:
-    """Load a ``dlspass transform`` ``.pt2`` with ``torch.export.load`` alone and run it over
-    ``data`` (one step per call, in place, under ``torch.no_grad``)."""
-    m = torch.export.load(str(path)).module()
-    losses, scales, skipped = [], [], []
-    with torch.no_grad():
-        for batch in data:
-            losses.append(float(m(*batch)))
-            bufs = dict(m.named_buffers())
-            scales.append(float(bufs["dlspass_scaler_loss_scale"]))
-            skipped.append(int(bufs["dlspass_scaler_num_skipped_steps"]))
-    return {"losses": losses, "scales": scales, "skipped": skipped,
-            "params": {k: v.detach().clone() for k, v in m.named_parameters()},
-            "buffers": {k: v.detach().clone() for k, v in m.named_buffers()
-                        if not k.startswith("dlspass_")}}
+    """``cli_factories.train_pt2`` of a step ``.pt2`` over ``data``, with the model's own
+    buffers (BatchNorm statistics) apart from dlspass's state."""
+    from cli_factories import train_pt2
+
+    got = train_pt2(path, data)  # type: ignore[arg-type]
+    got["buffers"] = {k: v for k, v in got.pop("state").items()
+                      if k not in got["params"] and not k.startswith("dlspass_")}
+    return got
 
 
 def assert_same_training(got: dict, ref: dict, overflow_at: int | None, rel: float) -> None:
