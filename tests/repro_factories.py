@@ -11,7 +11,8 @@ mult)`` gives deterministic batches of the example's shapes.
 - ``conv_input``: a convolution of the input, which needs no gradient (ViT, ConvNeXt);
 - ``conv_bn_linear``: conv -> BatchNorm -> linear (ResNet: BatchNorm's bias gradient also
   feeds the backward);
-- ``data_dependent``: Python control flow on a tensor value, which ``torch.export`` refuses.
+- ``data_dependent``: Python control flow on a tensor value, which ``torch.export`` refuses;
+- ``no_autograd``: a custom op without an autograd formula: export works, the backward fails.
 """
 
 from __future__ import annotations
@@ -84,6 +85,25 @@ class DataDependent(nn.Module):
         return h.sum()
 
 
+@torch.library.custom_op("repro_factories::no_autograd", mutates_args=())
+def _no_autograd(x: Tensor) -> Tensor:
+    return x * 2
+
+
+@_no_autograd.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+class NoAutograd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _no_autograd(self.fc(x)).sum()
+
+
 def _gen(step: int) -> torch.Generator:
     return torch.Generator().manual_seed(5000 + step)
 
@@ -129,6 +149,11 @@ def conv_bn_linear() -> tuple[nn.Module, tuple[Tensor, ...]]:
 def data_dependent() -> tuple[nn.Module, tuple[Tensor, ...]]:
     torch.manual_seed(0)
     return DataDependent(), (torch.randn(3, 4),)
+
+
+def no_autograd() -> tuple[nn.Module, tuple[Tensor, ...]]:
+    torch.manual_seed(0)
+    return NoAutograd(), (torch.randn(3, 4),)
 
 
 FACTORIES = {"attention": attention, "tied": tied, "conv_input": conv_input,

@@ -199,3 +199,14 @@ def test_a_torch_export_failure_is_bad_input_exit_2_one_line(tmp_path, capsys):
     assert err.startswith("dlspass: error: repro_factories:data_dependent: torch.export.export "
                           "failed on the model (")
     assert "(GuardOnDataDependentSymNode: " in err and not out.exists()  # torch's error, named
+
+
+def test_a_torch_failure_in_the_backward_trace_is_also_exit_2(tmp_path, capsys):
+    capsys.readouterr()
+    out = tmp_path / "na.pt2"
+    assert cf.cli("export", "repro_factories:no_autograd", "-o", out) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and not out.exists()
+    assert err.startswith("dlspass: error: repro_factories:no_autograd: torch could not trace the "
+                          "model's backward (RuntimeError: Trying to backward through "
+                          "repro_factories.no_autograd")
