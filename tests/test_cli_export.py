@@ -165,10 +165,10 @@ def test_tied_weights_are_one_parameter_trained_like_torch_optim(tmp_path):
     # one parameter for the embedding and the head, as model.parameters() has it
     assert set(got["params"]) == {"emb.weight", "mid.weight", "mid.bias"}
     hf.assert_same_training(got, ref, 2, rel=1e-5)
-    assert not torch.equal(got["params"]["emb.weight"], cf_initial("tied")["emb.weight"])
+    assert not torch.equal(got["params"]["emb.weight"], _initial_params("tied")["emb.weight"])
 
 
-def cf_initial(name: str) -> dict[str, torch.Tensor]:
+def _initial_params(name: str) -> dict[str, torch.Tensor]:
     import repro_factories as rf
 
     model, _ = rf.FACTORIES[name]()
