@@ -168,6 +168,8 @@ def export(
 
     To .onnx: outputs loss and grad.<param>, the backward seed is the input loss_seed (feed 1.0) and the parameters are inputs; `dlspass transform joint.onnx -o dls.onnx` then inserts DLS.
 
+    Tied parameters (one tensor under two names, e.g. an embedding shared with the output layer) become one parameter under its first name, trained with the sum of both gradients as torch.optim does. A model torch cannot export (torch.export.export or the trace of its backward fails) exits 2 with one line naming torch's error; exit 3 is kept for failures inside dlspass.
+
     Example: dlspass export tests.cli_factories:mlp -o mlp.pt2
     """  # noqa: E501 - typer keeps a docstring's line breaks in --help
     from .export_io import check_output_path, export_factory, save_program
@@ -210,6 +212,12 @@ def transform(
         "--config", help="A Model Zoo params.yaml supplying the DLS settings.")] = None,
     to: Annotated[str | None, typer.Option(
         "--to", help="Output format: pt2 or onnx (default: from the -o suffix).")] = None,
+    rounding: Annotated[str, typer.Option(
+        "--rounding",
+        help="How a .pt2 writes emulated rounding: aten (default; core aten bit operations, the "
+             "file loads and trains with torch alone) or op (the dlspass::round_to_format custom "
+             "op, compact and named in the graph; loading needs `import dlspass.formats`). "
+             "ONNX output always uses float arithmetic.")] = "aten",
 ) -> None:
     """Build the whole training step with dynamic loss scaling from a joint program.
 
@@ -235,6 +243,8 @@ def transform(
     if precision_mode not in ("emulate", "native"):
         raise typer.BadParameter(f"expected emulate or native, got {excerpt(precision_mode)}",
                                  param_hint="--precision-mode")
+    if rounding not in ("aten", "op"):
+        raise typer.BadParameter(f"expected aten or op, got {rounding!r}", param_hint="--rounding")
     fmt = to or ("onnx" if output.suffix == ".onnx" else "pt2")
     if fmt not in ("pt2", "onnx"):
         raise typer.BadParameter(f"expected pt2 or onnx, got {excerpt(to)}", param_hint="--to")
@@ -273,8 +283,9 @@ def transform(
         print(f"wrote {out}", file=sys.stderr)
         return
     ep, meta = load_program(src)
+    # ONNX output keeps the op here: onnx_io writes it in its float-arithmetic form
     step, step_meta = transform_program(ep, meta, cfg, opt, precision_mode=precision_mode,
-                                        source=str(src))
+                                        source=str(src), rounding="op" if fmt == "onnx" else rounding)
     if fmt == "onnx":
         from .onnx_io import save_step_onnx
 

@@ -426,6 +426,14 @@ def _bit_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"): 
     return fn
 
 
+def rounded_format(node: fx.Node) -> str | None:
+    """The format ``node`` rounds to: a ``dlspass::round_to_format`` node, or the last node of
+    one that ``decompose_rounding`` replaced; None for any other node."""
+    if _is_round_node(node):
+        return _node_args(node)[1]
+    return node.meta.get("custom", {}).get("dlspass_rounded")
+
+
 def decompose_rounding(gm: fx.GraphModule, form: str = "bits") -> int:
     """Replace each ``dlspass::round_to_format`` node in ``gm`` by traced plain aten ops.
 
@@ -485,6 +493,8 @@ def decompose_rounding(gm: fx.GraphModule, form: str = "bits") -> int:
                 if key in node.meta and key not in out.meta:
                     # a copy: one shared dict would let a later tag on one node change both
                     out.meta[key] = copy.copy(node.meta[key])
+            # the rounding stays recognisable after decomposition (and torch.export.save)
+            out.meta["custom"] = {**out.meta.get("custom", {}), "dlspass_rounded": fmt}
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         count += 1

@@ -97,17 +97,18 @@ def _op_name(node: Any) -> str:
 def _converts(node: Any) -> bool:
     import torch
 
-    from .formats import _is_round_node
+    from .formats import rounded_format
 
-    return _is_round_node(node) or node.target in (
+    return rounded_format(node) is not None or node.target in (
         torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
 def _cast_key(node: Any) -> str:
-    from .formats import _is_round_node, _node_args
+    from .formats import rounded_format
 
-    if _is_round_node(node):
-        return _node_args(node)[1]
+    fmt = rounded_format(node)
+    if fmt is not None:
+        return fmt
     val = node.meta.get("val")
     return str(getattr(val, "dtype", "unknown")).replace("torch.", "")
 
