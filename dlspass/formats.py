@@ -300,15 +300,37 @@ def _compiled_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: b
 def _eager_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: bool) -> torch.Tensor:
     if _native_ok(f, saturate, flush_to_zero):
         return x.to(f.torch_dtype).to(torch.float32)
+    # The result has the strides the fake kernel reports (``empty_like``, preserve_format): a
+    # contiguous result for a transposed input breaks a later ``view`` that the traced graph
+    # planned on the input's layout.
+    result = torch.empty_like(x)
     if _compile_allowed(x):
         out = _compiled_round(x, f, saturate, flush_to_zero)
         if out is not None:
-            return out
+            return out if out.stride() == result.stride() else result.copy_(out)
+    if result.stride() == x.stride():
+        # x is dense (empty_like gave it its own strides): round the flat block of memory that
+        # x and the result share in layout; rounding is elementwise, so the order is irrelevant
+        _round_flat(_flat_block(x), _flat_block(result), f, saturate, flush_to_zero)
+    else:  # sliced or expanded: round a contiguous copy, then lay it out like the fake says
+        flat = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+        _round_flat(x.contiguous().view(-1), flat, f, saturate, flush_to_zero)
+        result.copy_(flat.view(x.shape))
+    return result
+
+
+def _flat_block(t: torch.Tensor) -> torch.Tensor:
+    """The memory of a non-overlapping, dense ``t`` as one flat contiguous tensor."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _round_flat(x: torch.Tensor, y: torch.Tensor, f: Format, saturate: bool, flush_to_zero: bool) -> None:
+    """Round the flat float32 ``x`` into the flat float32 ``y`` (the eager bit form)."""
     # chunks stay in L2 and below ATen's parallel grain size: the ~15 passes below then cost
     # cache bandwidth, not DRAM bandwidth, and no thread-pool barrier per op
-    src = x.contiguous().view(-1).view(torch.int32)
+    src = x.view(torch.int32)
     n = src.numel()
-    out = torch.empty_like(src)
+    out = y.view(torch.int32)
     k = min(n, _CHUNK)
     scratch = (torch.empty(k, dtype=torch.int32), torch.empty(k, dtype=torch.bool),
                torch.empty(k, dtype=torch.bool))
@@ -317,7 +339,6 @@ def _eager_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: bool
         stop = min(start + _CHUNK, n)
         _round_chunk(src[start:stop], out[start:stop], *(t[: stop - start] for t in scratch),
                      c, saturate, flush_to_zero)
-    return out.view(torch.float32).view(x.shape)
 
 
 def _round_chunk(
