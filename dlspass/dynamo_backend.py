@@ -12,7 +12,10 @@ in the eager ``dlspass.GradScaler``.
 (``tangents_1``) by the scaler's loss scale and unscales and checks the gradients inside the
 backward graph. The scale enters and the overflow flag leaves through an extra placeholder and
 output that a boxed wrapper threads (no host sync): the flag lands in
-``scaler.backend_found_finite`` (a 0-d bool tensor) for the scaler's ``step``/``update``.
+``scaler.backend_found_finite`` (a 0-d bool tensor) for the scaler's ``step``/``update``. The
+flags of every backward graph run since the scaler last consumed it (several graphs after a
+graph break, several backward calls under gradient accumulation) combine with AND, so an
+overflow in any of them skips the step.
 """
 
 from __future__ import annotations
@@ -187,11 +190,12 @@ def make_backend(scaler: Any | None = None, **options: Any) -> Callable:
     """A torch.compile backend: 16-bit lowering, plus in-graph seed scaling and overflow check.
 
     With ``scaler`` (a ``dlspass.GradScaler``), the backward graph multiplies the seed by
-    ``scaler.state.loss_scale``, returns unscaled gradients and stores the finite flag in
-    ``scaler.backend_found_finite``; the gradients autograd accumulates are already unscaled,
-    so do not call ``scaler.scale(loss)`` and do not unscale again (``dlspass.GradScaler`` does
-    not read ``backend_found_finite`` yet: gate the optimizer step on it). Options as for
-    ``dls_backend``.
+    ``scaler.state.loss_scale``, returns unscaled gradients and ANDs its finite flag into
+    ``scaler.backend_found_finite``, which ``scaler.unscale_``/``step`` reads and resets once
+    per step (so every backward graph of a model with graph breaks, and every backward call of
+    an accumulated step, counts). The gradients autograd accumulates are already unscaled, so
+    do not call ``scaler.scale(loss)``; call ``scaler.step(optimizer)`` and
+    ``scaler.update()`` as usual. Options as for ``dls_backend``.
 
     Example:
         >>> backend = dlspass.make_backend(scaler=scaler, fp16_type="float16")
@@ -211,7 +215,11 @@ def make_backend(scaler: Any | None = None, **options: Any) -> Callable:
 
         def run(args: list[Any]) -> Any:
             res = inner([*args, scaler.state.loss_scale])
-            scaler.backend_found_finite = res[-1]
+            # A graph break gives one backward graph per piece, and gradient accumulation one
+            # backward call per micro-batch: the step is finite only if every one of them was.
+            # The scaler's unscale_ (or step) consumes the flag and resets it, once per step.
+            seen = scaler.backend_found_finite
+            scaler.backend_found_finite = res[-1] if seen is None else seen & res[-1]
             return res[:-1]
 
         run._boxed_call = True  # type: ignore[attr-defined]

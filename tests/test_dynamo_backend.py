@@ -137,3 +137,110 @@ def test_make_backend_with_scaler_step_and_update_matches_eager_scaler():
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert scaler.get_num_skipped_steps().item() == 2
+
+
+class _GraphBreak(torch.nn.Module):
+    """The issue's reproduction: two graphs, the overflow in the second one's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h + off).sum()
+
+
+def _train_scaled(step_loss, model, n_steps: int, bad_step: int, *, backend_scaled: bool):
+    """SGD steps driven by a dlspass.GradScaler; returns (scales, weights after each step)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10, steps_per_increase=2)
+    backend = dlspass.make_backend(scaler=scaler, mixed_precision=False, backend_compiler="eager")
+    scales, weights = [], []
+    for i in range(n_steps):
+        for loss in step_loss(model, i == bad_step, backend if backend_scaled else None):
+            (loss if backend_scaled else scaler.scale(loss)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale().item())
+        weights.append([p.detach().clone() for p in model.parameters()])
+    return scales, weights, scaler
+
+
+def _graph_break_losses():
+    compiled: dict[int, torch.nn.Module] = {}
+
+    def losses(model, bad, backend):
+        run = model
+        if backend is not None:
+            run = compiled.setdefault(id(model), torch.compile(model, backend=backend))
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+        yield run(x, torch.full((8,), float("inf") if bad else 0.0))
+
+    return losses
+
+
+def _accumulated_losses():
+    compiled: dict[int, torch.nn.Module] = {}
+
+    def losses(model, bad, backend):
+        run = model
+        if backend is not None:
+            run = compiled.setdefault(id(model), torch.compile(model, backend=backend))
+        g = torch.Generator().manual_seed(2)
+        for micro in range(2):  # the overflow is in the first micro-batch only
+            x = torch.randn(3, 8, generator=g)
+            if bad and micro == 0:
+                x[0, 0] = float("inf")
+            yield run(x).pow(2).mean()
+
+    return losses
+
+
+@pytest.mark.parametrize("case", ["graph_break", "accumulation"])
+def test_make_backend_skips_overflow_in_any_backward_like_eager_scaler(case):
+    """Several backward graphs (graph break) or several backward calls (accumulation) per step:
+    the flags combine, so the step with one overflow is skipped as the eager scaler skips it."""
+    torch._dynamo.reset()
+    if case == "graph_break":
+        make, losses = _GraphBreak, _graph_break_losses()
+    else:
+        make, losses = (lambda: _linear()[0]), _accumulated_losses()
+    model, reference = make(), make()
+    reference.load_state_dict(model.state_dict())
+    got = _train_scaled(losses, model, 5, 2, backend_scaled=True)
+    want = _train_scaled(losses, reference, 5, 2, backend_scaled=False)
+    assert got[0] == want[0]  # same scale trajectory
+    assert got[2].get_num_skipped_steps().item() == want[2].get_num_skipped_steps().item() == 1
+    for i, (ws, rs) in enumerate(zip(got[1], want[1], strict=True)):
+        for w, r in zip(ws, rs, strict=True):
+            assert torch.isfinite(w).all(), i
+            torch.testing.assert_close(w, r, rtol=1e-6, atol=1e-7)
+    for w, r in zip(got[1][1], got[1][2], strict=True):
+        assert torch.equal(w, r)  # the skipped step left the weights as they were
+
+
+def test_make_backend_graph_break_float16_overflow_in_second_graph():
+    """The issue's float16 reproduction: ``h + off`` overflows float16 only in ``b``'s graph."""
+    torch._dynamo.reset()
+    model = _GraphBreak()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10)
+    cmodel = torch.compile(model, backend=dlspass.make_backend(
+        scaler=scaler, fp16_type="float16", backend_compiler="eager"))
+    x = torch.randn(3, 8)
+    for off in (0.0, 1e5, 0.0):  # 1e5 is finite in float32, past float16's 65504
+        before = [p.detach().clone() for p in model.parameters()]
+        cmodel(x, torch.full((8,), off)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        if off:
+            assert all(torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True))
+    assert scaler.get_num_skipped_steps().item() == 1
+    assert scaler.get_scale().item() == 2.0**9
