@@ -301,12 +301,23 @@ def find_seed(graph: fx.Graph) -> fx.Node:
             stack.extend(n.all_input_nodes)
         ancestors = seen if ancestors is None else ancestors & seen
     assert ancestors is not None
+    # a ones_like/full_like of a non-scalar (``x * torch.ones_like(x)`` in the model) is
+    # model arithmetic, not a seed: loss.backward() seeds with a 0-d ones_like(loss)
     seeds = [n for n in ancestors if n.op == "call_function"
-             and n.target in (torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default)]
+             and n.target in (torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default)
+             and _is_scalar(n)]
     if len(seeds) != 1:
         raise CompileError(f"expected one backward seed (ones_like(loss)) in the step, found {len(seeds)}: "
                            "call loss.backward() exactly once on a scalar loss")
     return seeds[0]
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    """True when ``node``'s value (its fake value, else its first argument's) is 0-d."""
+    val = node.meta.get("val")
+    if not isinstance(val, Tensor) and node.args and isinstance(node.args[0], fx.Node):
+        val = node.args[0].meta.get("val")
+    return isinstance(val, Tensor) and val.dim() == 0
 
 
 _UPDATE_OF = {roles.PARAM: roles.PARAM_UPDATE, roles.OPT_STATE: roles.OPT_STATE_UPDATE,

@@ -447,13 +447,15 @@ def _bit_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"): 
     return fn
 
 
-def decompose_rounding(gm: fx.GraphModule, form: str = "bits") -> int:
+def decompose_rounding(gm: fx.GraphModule, form: str = "bits", decompositions: dict | None = None) -> int:
     """Replace each ``dlspass::round_to_format`` node in ``gm`` by traced plain aten ops.
 
     ``form="bits"``: ``round_bits`` (int32 bit operations that inductor fuses); ``"arith"``:
     ``round_arith`` (no bit-casts, for ONNX). The form is traced with ``make_fx`` on the node
     input's fake value (so the new nodes carry valid ``meta["val"]``) and spliced in place.
     Returns the number of nodes replaced; ``gm`` is recompiled when it changed.
+    ``decompositions``: a table the form is traced with (inductor's, for a graph that goes to
+    ``compile_fx_inner`` as it is).
     """
     if form not in ("bits", "arith"):
         raise ValueError(f"form: expected 'bits' or 'arith', got {form!r}")
@@ -477,12 +479,12 @@ def decompose_rounding(gm: fx.GraphModule, form: str = "bits") -> int:
             sub = traced.get(key) if mode_kind == "fake" else None
             if sub is None:
                 with mode:
-                    sub = make_fx(fn, tracing_mode=mode_kind)(val)
+                    sub = make_fx(fn, decomposition_table=decompositions, tracing_mode=mode_kind)(val)
                 if mode_kind == "fake":
                     traced[key] = sub
             keep_val = True
         else:
-            sub = make_fx(fn)(torch.zeros(1, dtype=torch.float32))
+            sub = make_fx(fn, decomposition_table=decompositions)(torch.zeros(1, dtype=torch.float32))
             keep_val = False
         placeholder = next(n for n in sub.graph.nodes if n.op == "placeholder")
         val_map: dict[fx.Node, fx.Node] = {placeholder: x_node}

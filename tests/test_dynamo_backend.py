@@ -244,3 +244,73 @@ def test_make_backend_graph_break_float16_overflow_in_second_graph():
             assert all(torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True))
     assert scaler.get_num_skipped_steps().item() == 1
     assert scaler.get_scale().item() == 2.0**9
+
+
+class _FusedQKV(torch.nn.Module):
+    """GPT-2's attention in small: one fused projection split into q, k, v, viewed per head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(16, -1)
+        b, t, _ = x.shape
+        q, k, v = (h.view(b, t, 2, 8).transpose(1, 2) for h in (q, k, v))
+        w = torch.matmul(q, k.transpose(-1, -2)).softmax(-1)
+        return torch.matmul(w, v).transpose(1, 2).reshape(b, t, 16).pow(2).mean()
+
+
+@pytest.mark.parametrize("entry", [
+    pytest.param("dlspass", marks=pytest.mark.slow), "no_mixed_precision",
+    pytest.param("make_backend", marks=pytest.mark.slow)])
+def test_fused_qkv_through_inductor_on_a_cold_cache(entry, tmp_path, monkeypatch):
+    """Inductor gets the AOT graphs the way its own backend hands them over (no re-trace of an
+    AOT graph: that failed with "Cannot view a tensor ..." on a cold cache)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    model, reference = _FusedQKV(), _FusedQKV()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))
+    scaler = dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10)
+    if entry == "make_backend":
+        cmodel = torch.compile(model, backend=dlspass.make_backend(scaler=scaler))
+    else:
+        cmodel = torch.compile(model, backend="dlspass",
+                               options={"mixed_precision": entry == "dlspass"})
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        loss = cmodel(x)
+        loss.backward()
+    ref = reference(x)
+    ref.backward()
+    tol = dict(rtol=0, atol=1e-6) if entry == "no_mixed_precision" else dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(loss, ref, **tol)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **tol)
+    if entry == "make_backend":
+        assert bool(scaler.backend_found_finite)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"mixed_precision": False}, {"fp16_type": "cbfloat16"}])
+def test_transformers_gpt2_through_backend_on_a_cold_cache(options, tmp_path, monkeypatch):
+    """transformers' GPT-2 (tiny config, random weights) trains through backend="dlspass"; the
+    AOT graphs handed to the top-level compile_fx failed in the re-trace ("Cannot view ...")."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    reference = transformers.GPT2LMHeadModel(cfg)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        loss = torch.compile(model, backend="dlspass", options=options)(input_ids=ids, labels=ids).loss
+        loss.backward()
+    ref = reference(input_ids=ids, labels=ids).loss
+    ref.backward()
+    tol = dict(rtol=1e-5, atol=1e-6) if options.get("mixed_precision") is False else dict(rtol=5e-2, atol=1e-3)
+    torch.testing.assert_close(loss, ref, **tol)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **tol)
