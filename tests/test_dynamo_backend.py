@@ -299,7 +299,9 @@ def test_transformers_gpt2_through_backend_on_a_cold_cache(options, tmp_path, mo
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    # no dropout: the compiled graphs and eager torch draw different random numbers
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg)
     reference = transformers.GPT2LMHeadModel(cfg)
