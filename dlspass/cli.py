@@ -334,7 +334,7 @@ def verify(
     Example: dlspass verify step.pt2
     """
     from .export_io import InputError, load_program, step_graph
-    from .verify import verify as run_verify
+    from .invariants import verify as run_verify
 
     ep, meta = load_program(file)
     if meta is None or meta.get("kind") != "step":
@@ -345,8 +345,8 @@ def verify(
 
 
 def _is_verification_error(exc: BaseException) -> bool:
-    # Look the class up only if dlspass.verify was imported: main() must stay light.
-    verify = sys.modules.get("dlspass.verify")
+    # Look the class up only if dlspass.invariants was imported: main() must stay light.
+    verify = sys.modules.get("dlspass.invariants")
     cls = getattr(verify, "VerificationError", None)
     return isinstance(cls, type) and isinstance(exc, cls)
 

@@ -275,7 +275,7 @@ def capture_step_distributed(
     overflow flag is all-reduced too. Returns a ``CapturedStep``.
     """
     from .capture.functional import build_step
-    from .verify import verify
+    from .invariants import verify
 
     if resolve_group(process_group) is None and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("capture_step_distributed: torch.distributed is not initialised")
