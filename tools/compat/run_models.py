@@ -1,0 +1,234 @@
+"""Run the model compatibility matrix and regenerate docs/COMPATIBILITY.md.
+
+Every cell (model x entry point x format, plus gradient accumulation) runs in its own
+subprocess with a timeout (``tests/models/harness.run_cell``: 10 AdamW steps, the loss times
+inf at step 4, compared with the eager scaler). Results are appended to a JSON-lines file as
+they finish, so an interrupted run keeps what it measured; ``--doc-only`` rebuilds the table
+from that file.
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/compat/run_models.py --timeout 600 \
+        --results tools/compat/results.jsonl
+
+Cells run cheapest first (eager scalers, capture_step, the CLI, then the compiled entry points;
+the transformers models before nothing else) so that a time box (``--time-box``) cuts the
+slowest ones; those are listed as "not run".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "models"))
+
+import harness  # noqa: E402
+import known  # noqa: E402
+
+DOC = ROOT / "docs" / "COMPATIBILITY.md"
+RESULTS = ROOT / "tools" / "compat" / "results.jsonl"
+MARK = "@@cell@@ "
+# cheapest first: compile cost grows with the model and the entry point's graphs
+ENTRY_COST = {"GradScaler": 0, "TorchGradScaler": 0, "capture_step": 1, "cli": 2,
+              "dlspass.compile": 3, "make_backend": 4, "backend=dlspass": 5}
+MODEL_COST = {"graph_break": 0, "resnet": 1, "convnext": 2, "vit": 3, "bert": 4, "gpt2": 5, "t5": 6}
+
+
+def run_one(model: str, entry: str, fmt: str, accumulate: bool) -> None:
+    """The ``--cell`` mode: run one cell in this process and print its result as JSON."""
+    t0 = time.perf_counter()
+    res = harness.run_cell(model, entry, fmt, accumulate)
+    out = {"key": res.key, "model": model, "entry": entry, "fmt": fmt, "accumulate": accumulate,
+           "status": "works" if res.ok else "fails", "reason": res.reason,
+           "update_error": res.update_error, "seconds": round(time.perf_counter() - t0, 1)}
+    print(MARK + json.dumps(out), flush=True)
+
+
+def spawn(cell: tuple[str, str, str, bool], timeout: float) -> dict:
+    model, entry, fmt, accumulate = cell
+    cmd = [sys.executable, __file__, "--cell", model, entry, fmt] + (["--accumulate"] if accumulate else [])
+    base = {"key": harness.cell_id(*cell), "model": model, "entry": entry, "fmt": fmt,
+            "accumulate": accumulate}
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {**base, "status": "timeout", "reason": f"did not finish in {timeout:.0f} s",
+                "seconds": round(time.perf_counter() - t0, 1)}
+    for line in p.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    tail = [ln for ln in p.stderr.splitlines() if ln.strip()][-1:] or [""]
+    return {**base, "status": "fails", "reason": f"process exit {p.returncode}: {tail[0][:200]}",
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def ordered_cells() -> list[tuple[str, str, str, bool]]:
+    fmt_cost = {f: i for i, f in enumerate(harness.FORMATS)}
+    return sorted(harness.cells(), key=lambda c: (ENTRY_COST[c[1]] >= 3, MODEL_COST[c[0]],
+                                                   ENTRY_COST[c[1]], c[3], fmt_cost[c[2]]))
+
+
+def load_results(path: Path) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                out[r["key"]] = r  # a later run of a cell replaces an earlier one
+    return out
+
+
+# ---- the document --------------------------------------------------------------------------
+
+def _machine() -> str:
+    import torch
+    import transformers
+
+    return (f"{platform.machine()} Linux, {os.cpu_count()} CPU cores (shared), "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, Python "
+            f"{platform.python_version()}, torch {torch.__version__}, transformers "
+            f"{transformers.__version__}")
+
+
+def render(results: dict[str, dict], command: str, started: str) -> str:
+    notes: dict[str, int] = {}
+
+    def cell_text(r: dict | None, expected: known.Known | None) -> str:
+        if r is None:
+            return "not run"
+        if r["status"] == "works":
+            return "works"
+        reason = r["reason"]
+        if expected is not None:
+            reason = f"{expected.summary} — `{reason}`"
+        n = notes.setdefault(reason, len(notes) + 1)
+        word = "timeout" if r["status"] == "timeout" else "fails"
+        return f"{word} [{n}]"
+
+    lines = [
+        "# Compatibility: outside models x entry points x formats",
+        "",
+        f"Generated by `{command}` on {started} UTC, on {_machine()}. Do not edit by hand: "
+        "rerun the script (it reuses `tools/compat/results.jsonl`; `--doc-only` only rewrites "
+        "this file).",
+        "",
+        "Each cell trains a tiny model built from its transformers config with random weights "
+        f"(`tests/models/zoo.py`) for {harness.STEPS} AdamW steps (lr {harness.LR}, weight "
+        f"decay {harness.WEIGHT_DECAY}) with the loss times inf at step {harness.OVERFLOW_STEP} "
+        f"(initial scale {harness.INIT_SCALE:g}, steps_per_increase {harness.GROWTH_INTERVAL}), "
+        "and compares with the eager `dlspass.GradScaler` at the same settings "
+        "(`tests/models/harness.py`): **works** means the same skipped steps and scale after "
+        "every step, no non-finite weight, and the total parameter update within the format's "
+        "tolerance of the eager one. The eager `GradScaler` is checked against "
+        "`torch.amp.GradScaler` (skips, parameters) and a hand-worked cerebras scale "
+        "trajectory; `TorchGradScaler` against `torch.amp.GradScaler` bit for bit.",
+        "",
+        "Models: transformers 5.23.0 `GPT2LMHeadModel` (as shipped: `loss_type` default), "
+        "`BertForMaskedLM`, `T5ForConditionalGeneration`, `ViTForImageClassification`, "
+        "`ResNetForImageClassification` (BatchNorm), `ConvNextForImageClassification` "
+        "(LayerNorm), and `graph_break`, a two-linear module with `torch._dynamo.graph_break()` "
+        "between two losses whose overflow is in the second graph only. timm is not in the "
+        "matrix: timm 1.0.31 imports torchvision, and the torchvision wheel on PyPI does not "
+        "import beside torch 2.13.0+cpu.",
+        "",
+        "Formats: `fp32` is DLS without lowering (`mixed_precision=False`); `float16`, "
+        "`bfloat16`, `cbfloat16` round every matmul-like op's inputs and outputs to the format. "
+        "The eager scalers run the model as written (no lowering), so only their fp32 column "
+        "applies. bfloat16 turns loss scaling off by design (scale 1, nothing checked, as "
+        "cstorch), so bfloat16 cells inject no overflow: **with bfloat16 an inf in the loss "
+        "reaches the weights in every entry point, the eager scaler included.**",
+        "",
+        "Tolerances on `||update - eager update|| / ||eager update||`: "
+        + ", ".join(f"{k} {v}" for k, v in harness.TOLERANCE.items())
+        + " (fp32: summation order, amplified by AdamW's division by sqrt(v); the lowered "
+        "formats: rounding flips AdamW's update on near-zero gradients, measured 0.01-0.03 in "
+        "all three formats; one lost or extra step moves it by about 0.1, see "
+        "`harness.TOLERANCE`).",
+        "",
+    ]
+    for accumulate in (False, True):
+        fmts = ("fp32",) if accumulate else harness.FORMATS
+        lines.append("## Gradient accumulation (two backward calls per step, inf in the first)"
+                     if accumulate else "## One backward per step")
+        lines.append("")
+        if accumulate:
+            lines.append("capture_step and the CLI's transformed step trace one backward per "
+                         "step (accumulate by summing micro-batch losses in the loss function); "
+                         "they are not in this table.")
+            lines.append("")
+        lines.append("| model | entry point | " + " | ".join(fmts) + " |")
+        lines.append("|---|---|" + "---|" * len(fmts))
+        for model in harness.zoo.MODELS:
+            for entry in harness.ENTRY_POINTS:
+                if accumulate and entry not in harness.ACCUMULATING:
+                    continue
+                row = []
+                for fmt in fmts:
+                    if entry in harness.EAGER and fmt != "fp32":
+                        row.append("—")
+                        continue
+                    key = harness.cell_id(model, entry, fmt, accumulate)
+                    row.append(cell_text(results.get(key), known.KNOWN.get(key)))
+                lines.append(f"| {model} | `{entry}` | " + " | ".join(row) + " |")
+        lines.append("")
+    lines.append("## Reasons")
+    lines.append("")
+    lines.append("The text in backquotes is the first line of the error the user sees (or "
+                 "the check that failed); the words before it say where it comes from and, "
+                 "where torch is the limit, which torch issue.")
+    lines.append("")
+    for reason, n in notes.items():
+        lines.append(f"{n}. {reason}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cell", nargs=3, metavar=("MODEL", "ENTRY", "FORMAT"))
+    ap.add_argument("--accumulate", action="store_true")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
+    ap.add_argument("--time-box", type=float, default=None,
+                    help="stop starting cells after this many seconds")
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--only", default="", help="run only cells whose id contains this")
+    ap.add_argument("--skip-done", action="store_true", help="keep results already in --results")
+    ap.add_argument("--doc-only", action="store_true")
+    args = ap.parse_args(argv)
+    if args.cell:
+        run_one(*args.cell, args.accumulate)
+        return 0
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    command = "OMP_NUM_THREADS=1 .venv/bin/python tools/compat/run_models.py " + " ".join(
+        a for a in (argv if argv is not None else sys.argv[1:]))
+    if not args.doc_only:
+        done = load_results(args.results) if args.skip_done else {}
+        if not args.skip_done:
+            args.results.write_text("")
+        t0 = time.monotonic()
+        for cell in ordered_cells():
+            key = harness.cell_id(*cell)
+            if args.only not in key or key in done:
+                continue
+            if args.time_box is not None and time.monotonic() - t0 > args.time_box:
+                break
+            r = spawn(cell, args.timeout)
+            print(f"{r['status']:8s} {r.get('seconds', 0):7.1f}s {key} {r.get('reason', '')[:120]}",
+                  flush=True)
+            with args.results.open("a") as f:
+                f.write(json.dumps(r) + "\n")
+    DOC.write_text(render(load_results(args.results), command.strip(), started))
+    print(f"wrote {DOC}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
