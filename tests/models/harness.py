@@ -146,7 +146,7 @@ def _eager_loop(case: zoo.Case, fmt: str, accumulate: bool, scaler: object,
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-        tr.losses.append(float(loss))
+        tr.losses.append(float(loss.detach()))
         tr.scales.append(float(scaler.get_scale()))
         tr.skipped.append(skipped())
     tr.params = _params(model)
@@ -185,7 +185,7 @@ def run_torch_grad_scaler(case: zoo.Case, fmt: str, accumulate: bool = False) ->
 
 
 def _scaler_trace(tr: Trace, scaler: dlspass.GradScaler, loss: Tensor) -> None:
-    tr.losses.append(float(loss))
+    tr.losses.append(float(loss.detach()))
     tr.scales.append(float(scaler.state.loss_scale))
     tr.skipped.append(int(scaler.state.num_skipped_steps))
 
