@@ -60,12 +60,15 @@ EAGER = ("GradScaler", "TorchGradScaler")
 # fp32: the same math in another order (inductor fuses and reorders sums); AdamW divides by
 # sqrt(v), which amplifies round-off on tiny gradients, so 1e-3 and not 1e-6.
 # Lowered formats: each matmul input and output is rounded to the format (unit round-off
-# 2^-11 float16, 2^-10 cbfloat16, 2^-8 bfloat16). AdamW's normalised update hides most of that
-# on large gradients but flips the sign of near-zero ones, so the difference does not shrink
-# with the format's precision: measured 0.01-0.03 on the models of `zoo` for all three formats.
-# A lost, doubled or wrongly skipped step moves it by about 1/(steps taken) = 0.1
-# (`test_tolerances_catch_one_lost_step`), so the bound is 0.05 for every lowered format.
-TOLERANCE = {"fp32": 1e-3, "float16": 0.05, "cbfloat16": 0.05, "bfloat16": 0.05}
+# 2^-11 float16, 2^-10 cbfloat16, 2^-8 bfloat16). AdamW's normalised update flips the sign of
+# near-zero gradients, and BatchNorm's mean subtraction leaves the conv weights small
+# gradients made of cancelling terms, so the difference grows faster than the round-off:
+# measured up to 0.02 (float16), 0.07 (cbfloat16), 0.12 (bfloat16) on the models of `zoo`;
+# the bounds are about twice that. A lost step moves the update by about 0.1 (caught by the
+# fp32 and float16 bounds; four lost steps exceed every bound: `test_tolerances_catch_lost_steps`),
+# and every cell also checks the skipped steps and scales exactly, which is what catches a
+# step taken or skipped wrongly in the lowered formats.
+TOLERANCE = {"fp32": 1e-3, "float16": 0.04, "cbfloat16": 0.15, "bfloat16": 0.25}
 
 # The cerebras policy's scale after each of the 10 steps, worked by hand from cstorch's rule
 # (the scale doubles when more than steps_per_increase = 3 steps passed since the last change,
