@@ -189,37 +189,18 @@ class LossModule(nn.Module):
         return self._loss_fn(self.model, batch)
 
 
-def _cli(name: str) -> tuple[nn.Module, Batch]:
-    case = MODELS[name]()
-    return LossModule(case), case.batch
+def _cli(name: str) -> Callable[[], tuple[nn.Module, Batch]]:
+    def factory() -> tuple[nn.Module, Batch]:
+        case = MODELS[name]()
+        return LossModule(case), case.batch
+
+    factory.__name__ = factory.__qualname__ = f"cli_{name}"
+    return factory
 
 
-def cli_gpt2() -> tuple[nn.Module, Batch]:
-    return _cli("gpt2")
-
-
-def cli_bert() -> tuple[nn.Module, Batch]:
-    return _cli("bert")
-
-
-def cli_t5() -> tuple[nn.Module, Batch]:
-    return _cli("t5")
-
-
-def cli_vit() -> tuple[nn.Module, Batch]:
-    return _cli("vit")
-
-
-def cli_resnet() -> tuple[nn.Module, Batch]:
-    return _cli("resnet")
-
-
-def cli_convnext() -> tuple[nn.Module, Batch]:
-    return _cli("convnext")
-
-
-def cli_graph_break() -> tuple[nn.Module, Batch]:
-    return _cli("graph_break")
+# `dlspass export zoo:cli_<name>` factories, one per model
+for _name in MODELS:
+    globals()[f"cli_{_name}"] = _cli(_name)
 
 
 def with_mult(batch: Batch, value: float) -> Batch:
