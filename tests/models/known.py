@@ -50,7 +50,7 @@ def _key(model: str, entry: str, fmt: str, accumulate: bool = False) -> str:
 
 
 KNOWN: dict[str, Known] = {
-    _key("gpt2", "capture_step", "cbfloat16"): ROUNDING_STRIDES,
+    **{_key(m, "capture_step", "cbfloat16"): ROUNDING_STRIDES for m in ("gpt2", "vit")},
     **{_key("graph_break", "make_backend", f): GRAPH_FLAGS for f in ("fp32", "float16", "cbfloat16")},
     _key("graph_break", "make_backend", "fp32", True): GRAPH_FLAGS,
     **{_key("graph_break", "dlspass.compile", f): ONE_GRAPH for f in FORMATS},
@@ -58,5 +58,5 @@ KNOWN: dict[str, Known] = {
     **{_key("gpt2", "cli", f): EXPORT_VIEW for f in FORMATS},
     **{_key("resnet", "cli", f): BN_UNSCALE for f in ("fp32", "float16", "cbfloat16")},
     _key("resnet", "cli", "bfloat16"): MISSING_VAL,
-    **{_key("convnext", "cli", f): MISSING_VAL for f in FORMATS},
+    **{_key(m, "cli", f): MISSING_VAL for m in ("convnext", "vit") for f in FORMATS},
 }

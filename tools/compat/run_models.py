@@ -198,6 +198,18 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
     return "\n".join(lines)
 
 
+def check_known(results: dict[str, dict]) -> int:
+    """Print each measured cell whose outcome disagrees with `known.KNOWN`; 1 if any does."""
+    bad = 0
+    for key, r in sorted(results.items()):
+        listed = key in known.KNOWN
+        if (r["status"] == "works") == listed:
+            bad += 1
+            what = "works but is listed in known.py" if listed else "fails but is not in known.py"
+            print(f"{key}: {what}: {r.get('reason', '')[:160]}")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cell", nargs=3, metavar=("MODEL", "ENTRY", "FORMAT"))
@@ -210,11 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="run only cells whose id contains this")
     ap.add_argument("--skip-done", action="store_true", help="keep results already in --results")
     ap.add_argument("--doc-only", action="store_true")
+    ap.add_argument("--check-known", action="store_true",
+                    help="list cells whose result disagrees with tests/models/known.py and exit")
     ap.add_argument("--note", default="", help="a sentence for the header (how the results were run)")
     args = ap.parse_args(argv)
     if args.cell:
         run_one(*args.cell, args.accumulate)
         return 0
+    if args.check_known:
+        return check_known(load_results(args.results))
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     command = "OMP_NUM_THREADS=1 .venv/bin/python tools/compat/run_models.py " + " ".join(
         a for a in (argv if argv is not None else sys.argv[1:]))
