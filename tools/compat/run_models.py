@@ -9,9 +9,9 @@ from that file.
     OMP_NUM_THREADS=1 .venv/bin/python tools/compat/run_models.py --timeout 600 \
         --results tools/compat/results.jsonl
 
-Cells run cheapest first (eager scalers, capture_step, the CLI, then the compiled entry points;
-the transformers models before nothing else) so that a time box (``--time-box``) cuts the
-slowest ones; those are listed as "not run".
+Cells run fp32 first, then cbfloat16, float16 and bfloat16, each from the smallest model and
+the cheapest entry point up, accumulation last, so that a time box (``--time-box``) cuts the
+slowest and least informative ones; those are listed as "not run".
 """
 
 from __future__ import annotations
@@ -73,12 +73,11 @@ def spawn(cell: tuple[str, str, str, bool], timeout: float) -> dict:
 
 
 def ordered_cells() -> list[tuple[str, str, str, bool]]:
-    """Uncompiled cells first, then the compiled ones by format (fp32 and cbfloat16 first), model
-    size and entry point, so that a time box cuts the slowest and least informative cells."""
+    """By format (fp32, then cbfloat16, float16, bfloat16), then model size, then entry-point
+    cost, accumulation last: a time box cuts the slowest and least informative cells."""
     fmt_cost = {"fp32": 0, "cbfloat16": 1, "float16": 2, "bfloat16": 3}
     return sorted(harness.cells(), key=lambda c: (
-        ENTRY_COST[c[1]] >= 3, fmt_cost[c[2]] if ENTRY_COST[c[1]] >= 3 else 0, c[3],
-        MODEL_COST[c[0]], ENTRY_COST[c[1]], fmt_cost[c[2]]))
+        c[3], fmt_cost[c[2]], MODEL_COST[c[0]], ENTRY_COST[c[1]]))
 
 
 def load_results(path: Path) -> dict[str, dict]:
