@@ -50,7 +50,7 @@ def _key(model: str, entry: str, fmt: str, accumulate: bool = False) -> str:
 
 
 KNOWN: dict[str, Known] = {
-    **{_key(m, "capture_step", "cbfloat16"): ROUNDING_STRIDES for m in ("gpt2", "vit")},
+    **{_key(m, "capture_step", "cbfloat16"): ROUNDING_STRIDES for m in ("gpt2", "bert", "vit")},
     **{_key("graph_break", "make_backend", f): GRAPH_FLAGS for f in ("fp32", "float16", "cbfloat16")},
     _key("graph_break", "make_backend", "fp32", True): GRAPH_FLAGS,
     **{_key("graph_break", "dlspass.compile", f): ONE_GRAPH for f in FORMATS},

@@ -103,19 +103,20 @@ def _machine() -> str:
 
 
 def render(results: dict[str, dict], command: str, started: str, note: str = "") -> str:
-    notes: dict[str, int] = {}
+    notes: dict[str, tuple[int, str]] = {}
 
     def cell_text(r: dict | None, expected: known.Known | None) -> str:
         if r is None:
             return "not run"
         if r["status"] == "works":
             return "works"
-        reason = r["reason"]
-        if expected is not None:
-            reason = f"{expected.summary} — `{reason}`"
-        n = notes.setdefault(reason, len(notes) + 1)
+        reason = r["reason"].replace("`", "'")
+        # cells failing for one known cause share a note (the first error line seen for it)
+        group = expected.summary if expected is not None else reason
+        if group not in notes:
+            notes[group] = (len(notes) + 1, f"{group} — e.g. `{reason}`" if expected else f"`{reason}`")
         word = "timeout" if r["status"] == "timeout" else "fails"
-        return f"{word} [{n}]"
+        return f"{word} [{notes[group][0]}]"
 
     lines = [
         "# Compatibility: outside models x entry points x formats",
@@ -191,8 +192,8 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
                  "the check that failed); the words before it say where it comes from and, "
                  "where torch is the limit, which torch issue.")
     lines.append("")
-    for reason, n in notes.items():
-        lines.append(f"{n}. {reason}")
+    for n, text in notes.values():
+        lines.append(f"{n}. {text}")
     lines.append("")
     return "\n".join(lines)
 
