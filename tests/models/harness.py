@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import sys
 import tempfile
 import traceback
@@ -50,6 +51,11 @@ INIT_SCALE, GROWTH_INTERVAL, MAX_SCALE = 1024.0, 3, 2.0**24
 FORMATS = ("fp32", "float16", "bfloat16", "cbfloat16")
 ENTRY_POINTS = ("GradScaler", "TorchGradScaler", "capture_step", "dlspass.compile",
                 "backend=dlspass", "make_backend", "cli")
+# What compiles the compiled entry points' graphs: "inductor" (what users get) or "eager" (the
+# rewritten graphs run as they are: every dlspass rewrite, no inductor codegen; used by
+# tools/compat/run_models.py --backend-compiler eager where inductor does not fit the time box).
+BACKEND_COMPILER = os.environ.get("DLSPASS_MATRIX_COMPILER", "inductor")
+COMPILED = ("dlspass.compile", "backend=dlspass", "make_backend")
 # entry points that take several backward calls per optimizer step
 ACCUMULATING = ("GradScaler", "TorchGradScaler", "dlspass.compile", "backend=dlspass", "make_backend")
 # the eager scalers run the model as written: only the fp32 column applies to them
@@ -219,7 +225,8 @@ def run_compile(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
         return loss.detach()
 
     step = dlspass.compile(train_step, optimizer=opt, scaler=scaler,
-                           mixed_precision=config(fmt).mixed_precision)
+                           mixed_precision=config(fmt).mixed_precision,
+                           backend_compiler=BACKEND_COMPILER)
     tr = Trace()
     for i in range(STEPS):
         _scaler_trace(tr, scaler, step(*micro_batches(case, i, fmt, accumulate)))
@@ -229,7 +236,8 @@ def run_compile(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
 
 def _backend_options(fmt: str) -> dict[str, object]:
     cfg = config(fmt)
-    return {"fp16_type": cfg.fp16_type, "mixed_precision": cfg.mixed_precision}
+    return {"fp16_type": cfg.fp16_type, "mixed_precision": cfg.mixed_precision,
+            "backend_compiler": BACKEND_COMPILER}
 
 
 def run_backend(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:

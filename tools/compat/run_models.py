@@ -48,16 +48,26 @@ def run_one(model: str, entry: str, fmt: str, accumulate: bool) -> None:
     t0 = time.perf_counter()
     res = harness.run_cell(model, entry, fmt, accumulate)
     out = {"key": res.key, "model": model, "entry": entry, "fmt": fmt, "accumulate": accumulate,
-           "status": "works" if res.ok else "fails", "reason": res.reason,
+           "compiler": _compiler(entry), "status": "works" if res.ok else "fails", "reason": res.reason,
            "update_error": res.update_error, "seconds": round(time.perf_counter() - t0, 1)}
     print(MARK + json.dumps(out), flush=True)
+
+
+def _compiler(entry: str) -> str:
+    return harness.BACKEND_COMPILER if entry in harness.COMPILED else ""
+
+
+def result_key(r: dict) -> str:
+    """A result's identity: the cell, and for compiled entry points what compiled it."""
+    compiler = r.get("compiler", "inductor" if r["entry"] in harness.COMPILED else "")
+    return f"{r['key']}@{compiler}"
 
 
 def spawn(cell: tuple[str, str, str, bool], timeout: float) -> dict:
     model, entry, fmt, accumulate = cell
     cmd = [sys.executable, __file__, "--cell", model, entry, fmt] + (["--accumulate"] if accumulate else [])
     base = {"key": harness.cell_id(*cell), "model": model, "entry": entry, "fmt": fmt,
-            "accumulate": accumulate}
+            "accumulate": accumulate, "compiler": _compiler(entry)}
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -86,7 +96,7 @@ def load_results(path: Path) -> dict[str, dict]:
         for line in path.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                out[r["key"]] = r  # a later run of a cell replaces an earlier one
+                out[result_key(r)] = r  # a later run of a cell replaces an earlier one
     return out
 
 
@@ -151,6 +161,12 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
         "cstorch), so bfloat16 cells inject no overflow: **with bfloat16 an inf in the loss "
         "reaches the weights in every entry point, the eager scaler included.**",
         "",
+        "Compiled entry points (`dlspass.compile`, `backend=dlspass`, `make_backend`) are "
+        "meant to run with inductor; \"eager:\" after a cell is the same cell with "
+        "`backend_compiler=\"eager\"` (`--backend-compiler eager`: every dlspass rewrite, the "
+        "graphs run without inductor's code generation), which fits the time box where "
+        "inductor on shared cores does not.",
+        "",
         "Tolerances on `||update - eager update|| / ||eager update||`: "
         + ", ".join(f"{k} {v}" for k, v in harness.TOLERANCE.items())
         + " (fp32: summation order, amplified by AdamW's division by sqrt(v); the lowered "
@@ -183,7 +199,14 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
                         row.append("—")
                         continue
                     key = harness.cell_id(model, entry, fmt, accumulate)
-                    row.append(cell_text(results.get(key), known.KNOWN.get(key)))
+                    expected = known.KNOWN.get(key)
+                    if entry not in harness.COMPILED:
+                        row.append(cell_text(results.get(f"{key}@"), expected))
+                        continue
+                    text = cell_text(results.get(f"{key}@inductor"), expected)
+                    if f"{key}@eager" in results:
+                        text += "; eager: " + cell_text(results[f"{key}@eager"], expected)
+                    row.append(text)
                 lines.append(f"| {model} | `{entry}` | " + " | ".join(row) + " |")
         lines.append("")
     lines.append("## Reasons")
@@ -201,12 +224,13 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
 def check_known(results: dict[str, dict]) -> int:
     """Print each measured cell whose outcome disagrees with `known.KNOWN`; 1 if any does."""
     bad = 0
-    for key, r in sorted(results.items()):
+    for rk, r in sorted(results.items()):
+        key = r["key"]
         listed = key in known.KNOWN
         if (r["status"] == "works") == listed:
             bad += 1
             what = "works but is listed in known.py" if listed else "fails but is not in known.py"
-            print(f"{key}: {what}: {r.get('reason', '')[:160]}")
+            print(f"{rk}: {what}: {r.get('reason', '')[:160]}")
     return 1 if bad else 0
 
 
@@ -217,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
     ap.add_argument("--time-box", type=float, default=None,
                     help="stop starting cells after this many seconds")
+    ap.add_argument("--backend-compiler", choices=("inductor", "eager"), default="inductor",
+                    help="what compiles the compiled entry points' graphs (eager: no inductor)")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at the same time")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--only", default="", help="run only cells whose id contains this")
@@ -226,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="list cells whose result disagrees with tests/models/known.py and exit")
     ap.add_argument("--note", default="", help="a sentence for the header (how the results were run)")
     args = ap.parse_args(argv)
+    os.environ["DLSPASS_MATRIX_COMPILER"] = harness.BACKEND_COMPILER = args.backend_compiler
     if args.cell:
         run_one(*args.cell, args.accumulate)
         return 0
@@ -239,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_done:
             args.results.write_text("")
         t0 = time.monotonic()
-        todo = [c for c in ordered_cells()
-                if args.only in harness.cell_id(*c) and harness.cell_id(*c) not in done]
+        todo = [c for c in ordered_cells() if args.only in harness.cell_id(*c)
+                and f"{harness.cell_id(*c)}@{_compiler(c[1])}" not in done]
 
         def work(cell: tuple[str, str, str, bool]) -> None:
             if args.time_box is not None and time.monotonic() - t0 > args.time_box:
