@@ -21,8 +21,9 @@ import zoo
 import dlspass
 
 FAST = {
-    *(harness.cell_id(m, e, "fp32", a) for m in zoo.MODELS for e in harness.EAGER
-      for a in (False, True)),
+    *(harness.cell_id(m, e, "fp32") for m in zoo.MODELS for e in harness.EAGER),
+    *(harness.cell_id(m, "GradScaler", "fp32", True) for m in zoo.MODELS),
+    harness.cell_id("gpt2", "TorchGradScaler", "fp32", True),
     harness.cell_id("graph_break", "capture_step", "fp32"),
     harness.cell_id("graph_break", "capture_step", "cbfloat16"),
     harness.cell_id("graph_break", "dlspass.compile", "fp32"),
