@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="cells run at the same time")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--only", default="", help="run only cells whose id contains this")
+    ap.add_argument("--compiled", choices=("all", "only", "none"), default="all",
+                    help="run the compiled entry points' cells too, only them, or not")
     ap.add_argument("--skip-done", action="store_true", help="keep results already in --results")
     ap.add_argument("--doc-only", action="store_true")
     ap.add_argument("--check-known", action="store_true",
@@ -266,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_done:
             args.results.write_text("")
         t0 = time.monotonic()
+        want = {"all": (True, False), "only": (True,), "none": (False,)}[args.compiled]
         todo = [c for c in ordered_cells() if args.only in harness.cell_id(*c)
+                and (c[1] in harness.COMPILED) in want
                 and f"{harness.cell_id(*c)}@{_compiler(c[1])}" not in done]
 
         def work(cell: tuple[str, str, str, bool]) -> None:
