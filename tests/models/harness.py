@@ -385,6 +385,8 @@ def compare(got: Trace, ref: Trace, init: dict[str, Tensor], tol: float,
 def _one_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     msg = lines[0] if lines else ""
+    if msg.endswith("raised:") and len(lines) > 1:
+        msg = lines[1]  # dynamo's BackendCompilerFailed: the backend's own error is next
     for ln in lines:  # inductor and dynamo wrap the real error; keep its line when there is one
         if ln.startswith(("AssertionError", "RuntimeError", "TypeError", "ValueError")):
             msg = ln

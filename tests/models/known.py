@@ -40,6 +40,9 @@ EXPORT_VIEW = Known(
 BN_UNSCALE = Known(
     "dlspass: UnscaleGradsPass points a BatchNorm bias gradient's uses inside the backward at "
     "the unscaled value; transform exits 3 (issue 13)")
+TIED_EXPORT = Known(
+    "dlspass: export of a model whose embedding and output weights are tied stops at 'a "
+    "parameter that did not receive a gradient'; the CLI exits 3 (issue 13)")
 MISSING_VAL = Known(
     "dlspass: a conv on the input leaves a node without `val` when the step is packaged; "
     "transform exits 3 (issue 13)")
@@ -58,5 +61,6 @@ KNOWN: dict[str, Known] = {
     **{_key("gpt2", "cli", f): EXPORT_VIEW for f in FORMATS},
     **{_key("resnet", "cli", f): BN_UNSCALE for f in ("fp32", "float16", "cbfloat16")},
     _key("resnet", "cli", "bfloat16"): MISSING_VAL,
+    **{_key("bert", "cli", f): TIED_EXPORT for f in FORMATS},
     **{_key(m, "cli", f): MISSING_VAL for m in ("convnext", "vit") for f in FORMATS},
 }
