@@ -61,6 +61,6 @@ KNOWN: dict[str, Known] = {
     **{_key("gpt2", "cli", f): EXPORT_VIEW for f in FORMATS},
     **{_key("resnet", "cli", f): BN_UNSCALE for f in ("fp32", "float16", "cbfloat16")},
     _key("resnet", "cli", "bfloat16"): MISSING_VAL,
-    **{_key("bert", "cli", f): TIED_EXPORT for f in FORMATS},
+    **{_key(m, "cli", f): TIED_EXPORT for m in ("bert", "t5") for f in FORMATS},
     **{_key(m, "cli", f): MISSING_VAL for m in ("convnext", "vit") for f in FORMATS},
 }
