@@ -44,6 +44,10 @@ T5_COMPILE = Known(
     "dlspass: compiling T5's step fails in dlspass's AOT compiler at the first call (the run "
     "records dynamo's wrapper line only; issue 13 traces it to find_seed taking T5's "
     "ones_like/full_like as backward-seed candidates: 'expected one backward seed ... found 3')")
+GPT2_SEEDS = Known(
+    "dlspass: GPT-2 as shipped logs through `logger.warning_once` in every forward, which "
+    "breaks dynamo's graph; the graph before the break returns several tensors that need "
+    "gradients and make_backend rejects it at the first call (issue 13)")
 TIED_EXPORT = Known(
     "dlspass: export of a model whose embedding and output weights are tied stops at 'a "
     "parameter that did not receive a gradient'; the CLI exits 3 (issue 13)")
@@ -62,6 +66,7 @@ KNOWN: dict[str, Known] = {
     _key("graph_break", "make_backend", "fp32", True): GRAPH_FLAGS,
     **{_key("graph_break", "dlspass.compile", f): ONE_GRAPH for f in FORMATS},
     _key("t5", "dlspass.compile", "fp32"): T5_COMPILE,
+    _key("gpt2", "make_backend", "fp32"): GPT2_SEEDS,
     _key("t5", "dlspass.compile", "fp32", True): T5_COMPILE,
     _key("graph_break", "dlspass.compile", "fp32", True): ONE_GRAPH,
     **{_key("gpt2", "cli", f): EXPORT_VIEW for f in FORMATS},
