@@ -67,6 +67,7 @@ KNOWN: dict[str, Known] = {
     **{_key("graph_break", "dlspass.compile", f): ONE_GRAPH for f in FORMATS},
     _key("t5", "dlspass.compile", "fp32"): T5_COMPILE,
     _key("gpt2", "make_backend", "fp32"): GPT2_SEEDS,
+    _key("gpt2", "make_backend", "fp32", True): GPT2_SEEDS,
     _key("t5", "dlspass.compile", "fp32", True): T5_COMPILE,
     _key("graph_break", "dlspass.compile", "fp32", True): ONE_GRAPH,
     **{_key("gpt2", "cli", f): EXPORT_VIEW for f in FORMATS},

@@ -65,7 +65,8 @@ def result_key(r: dict) -> str:
 
 def spawn(cell: tuple[str, str, str, bool], timeout: float) -> dict:
     model, entry, fmt, accumulate = cell
-    cmd = [sys.executable, __file__, "--cell", model, entry, fmt] + (["--accumulate"] if accumulate else [])
+    cmd = [sys.executable, __file__, "--cell", model, entry, fmt,
+           "--backend-compiler", harness.BACKEND_COMPILER] + (["--accumulate"] if accumulate else [])
     base = {"key": harness.cell_id(*cell), "model": model, "entry": entry, "fmt": fmt,
             "accumulate": accumulate, "compiler": _compiler(entry)}
     t0 = time.perf_counter()
@@ -261,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_known:
         return check_known(load_results(args.results))
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-    command = "OMP_NUM_THREADS=1 .venv/bin/python tools/compat/run_models.py " + " ".join(
-        a for a in (argv if argv is not None else sys.argv[1:]))
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--note" in given:  # the note is printed on its own
+        del given[given.index("--note"):given.index("--note") + 2]
+    command = "OMP_NUM_THREADS=1 .venv/bin/python tools/compat/run_models.py " + " ".join(given)
     if not args.doc_only:
         done = load_results(args.results) if args.skip_done else {}
         if not args.skip_done:
