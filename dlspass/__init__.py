@@ -41,6 +41,7 @@ _LAZY = {
     "HeldScheduler": "dlspass.scaler",
     "ScaleFloorWarning": "dlspass.scaler",
     "ScaleFloorError": "dlspass.scaler",
+    "ScalerStateError": "dlspass.scaler",
     "ScalerState": "dlspass.scale_policy",
     "round_to_format": "dlspass.formats",
     "formats": "dlspass.formats",
@@ -48,8 +49,8 @@ _LAZY = {
     "CapturedStep": "dlspass.capture.functional",
     "CaptureError": "dlspass.capture.functional",
     "capture_step_distributed": "dlspass.distributed",
-    "verify": "dlspass.verify",
-    "VerificationError": "dlspass.verify",
+    "verify": "dlspass.invariants",
+    "VerificationError": "dlspass.invariants",
     "compile": "dlspass.compile_step",
     "make_backend": "dlspass.dynamo_backend",
 }
