@@ -1,0 +1,431 @@
+"""One cell of the compatibility matrix: train a `zoo` model through one entry point and format.
+
+Every cell trains ``STEPS`` AdamW steps on the model's fixed batch with the loss times inf at
+``OVERFLOW_STEP`` and compares with the reference at the same settings:
+
+- the eager ``dlspass.GradScaler`` cell is compared with ``torch.amp.GradScaler`` (same skips
+  and scales, parameters within float32 round-off), ``dlspass.TorchGradScaler`` with
+  ``torch.amp.GradScaler`` bit for bit;
+- every other entry point is compared with the eager ``dlspass.GradScaler`` (float32 math) at
+  the same `DLSConfig`: the same skipped steps and scale after every step, never a non-finite
+  weight, and the parameters' total update within `TOLERANCE` of the reference's (see there).
+
+With ``accumulate=True`` each step is two backward calls (two micro-batches) and the inf is in
+the FIRST one only: the step must still be skipped (a flag from the later backward must not
+hide it).
+
+``fp32`` means DLS without lowering (``mixed_precision=False``, float16's scale range);
+``float16`` / ``bfloat16`` / ``cbfloat16`` round the inputs and outputs of matmul-like ops to
+that format (dlspass's emulation in float32 containers). bfloat16 turns loss scaling off by
+design (cstorch semantics: bfloat16 has float32's range; the scaler passes through with scale 1
+and checks nothing), so its cells inject no overflow: an inf would reach the weights in every
+entry point, the eager scaler included, which `docs/COMPATIBILITY.md` lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+import dlspass
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import zoo  # noqa: E402 - the CLI factories are imported as ``zoo:cli_<name>``
+
+STEPS = 10
+OVERFLOW_STEP = 4
+LR, WEIGHT_DECAY = 1e-3, 0.01
+INIT_SCALE, GROWTH_INTERVAL, MAX_SCALE = 1024.0, 3, 2.0**24
+
+FORMATS = ("fp32", "float16", "bfloat16", "cbfloat16")
+ENTRY_POINTS = ("GradScaler", "TorchGradScaler", "capture_step", "dlspass.compile",
+                "backend=dlspass", "make_backend", "cli")
+# What compiles the compiled entry points' graphs: "inductor" (what users get) or "eager" (the
+# rewritten graphs run as they are: every dlspass rewrite, no inductor codegen; used by
+# tools/compat/run_models.py --backend-compiler eager where inductor does not fit the time box).
+BACKEND_COMPILER = os.environ.get("DLSPASS_MATRIX_COMPILER", "inductor")
+COMPILED = ("dlspass.compile", "backend=dlspass", "make_backend")
+# entry points that take several backward calls per optimizer step
+ACCUMULATING = ("GradScaler", "TorchGradScaler", "dlspass.compile", "backend=dlspass", "make_backend")
+# the eager scalers run the model as written: only the fp32 column applies to them
+EAGER = ("GradScaler", "TorchGradScaler")
+
+# Largest relative difference of the total parameter update, ||d_cell - d_ref|| / ||d_ref||
+# (d = final - initial parameters over all tensors), against the float32 eager reference.
+# fp32: the same math in another order (inductor fuses and reorders sums); AdamW divides by
+# sqrt(v), which amplifies round-off on tiny gradients, so 1e-3 and not 1e-6.
+# Lowered formats: each matmul input and output is rounded to the format (unit round-off
+# 2^-11 float16, 2^-10 cbfloat16, 2^-8 bfloat16). AdamW's normalised update flips the sign of
+# near-zero gradients, and BatchNorm's mean subtraction leaves the conv weights small
+# gradients made of cancelling terms, so the difference grows faster than the round-off:
+# measured up to 0.02 (float16), 0.07 (cbfloat16), 0.12 (bfloat16) on the models of `zoo`;
+# the bounds are about twice that. A lost step moves the update by about 0.1 (caught by the
+# fp32 and float16 bounds; four lost steps exceed every bound: `test_tolerances_catch_lost_steps`),
+# and every cell also checks the skipped steps and scales exactly, which is what catches a
+# step taken or skipped wrongly in the lowered formats.
+TOLERANCE = {"fp32": 1e-3, "float16": 0.04, "cbfloat16": 0.15, "bfloat16": 0.25}
+
+# The cerebras policy's scale after each of the 10 steps, worked by hand from cstorch's rule
+# (the scale doubles when more than steps_per_increase = 3 steps passed since the last change,
+# halves on an overflow): 4 finite steps -> 2048 after step 3; the inf at step 4 -> 1024; four
+# more finite steps (5..8) -> 2048 after step 8. torch.amp grows one step earlier (after 3
+# finite steps), so the eager GradScaler cell takes its skips and parameters from torch.amp
+# and its scales from here.
+CEREBRAS_SCALES = [1024.0, 1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 1024.0, 1024.0, 2048.0, 2048.0]
+
+
+@dataclass
+class Trace:
+    """What one training run produced (host values; read after every step)."""
+
+    scales: list[float] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    params: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class CellResult:
+    """The outcome of one cell: ``ok`` and, when not, the one-line reason."""
+
+    model: str
+    entry: str
+    fmt: str
+    accumulate: bool
+    ok: bool
+    reason: str = ""
+    update_error: float | None = None
+
+    @property
+    def key(self) -> str:
+        return cell_id(self.model, self.entry, self.fmt, self.accumulate)
+
+
+def cell_id(model: str, entry: str, fmt: str, accumulate: bool = False) -> str:
+    return f"{model}-{entry}-{fmt}" + ("-accum" if accumulate else "")
+
+
+def config(fmt: str) -> dlspass.DLSConfig:
+    """The DLS settings of every cell in ``fmt`` (a scale that grows and backs off in 10 steps)."""
+    return dlspass.DLSConfig(
+        loss_scale="dynamic", initial_loss_scale=INIT_SCALE, steps_per_increase=GROWTH_INTERVAL,
+        max_loss_scale=MAX_SCALE, fp16_type="float16" if fmt == "fp32" else fmt,
+        mixed_precision=fmt != "fp32")
+
+
+def overflow_step(fmt: str) -> int | None:
+    return None if fmt == "bfloat16" else OVERFLOW_STEP
+
+
+def micro_batches(case: zoo.Case, step: int, fmt: str, accumulate: bool) -> list[zoo.Batch]:
+    """The step's micro-batches; the overflow step multiplies the first one's loss by inf."""
+    bad = step == overflow_step(fmt)
+    first = zoo.with_mult(case.batch, math.inf if bad else 1.0)
+    return [first, zoo.with_mult(case.batch, 1.0)] if accumulate else [first]
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def _params(model: nn.Module) -> dict[str, Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+# ---- entry points --------------------------------------------------------------------------
+
+def _eager_loop(case: zoo.Case, fmt: str, accumulate: bool, scaler: object,
+                skipped: Callable[[], int]) -> Trace:
+    model, opt, tr = case.model, _optimizer(case.model), Trace()
+    for i in range(STEPS):
+        for b in micro_batches(case, i, fmt, accumulate):
+            loss = case.loss_fn(model, b)
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        tr.losses.append(float(loss.detach()))
+        tr.scales.append(float(scaler.get_scale()))
+        tr.skipped.append(skipped())
+    tr.params = _params(model)
+    return tr
+
+
+def run_grad_scaler(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
+    """The eager ``dlspass.GradScaler`` with `config` (the reference of the compiled cells)."""
+    scaler = dlspass.GradScaler(config=config(fmt))
+    return _eager_loop(case, fmt, accumulate, scaler, lambda: int(scaler.get_num_skipped_steps()))
+
+
+def _torch_style(case: zoo.Case, fmt: str, accumulate: bool, scaler: object) -> Trace:
+    # torch.amp counts no skipped steps: a step is skipped exactly when the scale backs off
+    count = [0]
+    last = [INIT_SCALE]
+
+    def skipped() -> int:
+        s = float(scaler.get_scale())
+        count[0] += s < last[0]
+        last[0] = s
+        return count[0]
+
+    return _eager_loop(case, fmt, accumulate, scaler, skipped)
+
+
+def run_torch_amp(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
+    """torch's own ``torch.amp.GradScaler`` (the reference of the eager dlspass scalers)."""
+    return _torch_style(case, fmt, accumulate, torch.amp.GradScaler(
+        "cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL))
+
+
+def run_torch_grad_scaler(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
+    return _torch_style(case, fmt, accumulate, dlspass.TorchGradScaler(
+        "cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL))
+
+
+def _scaler_trace(tr: Trace, scaler: dlspass.GradScaler, loss: Tensor) -> None:
+    tr.losses.append(float(loss.detach()))
+    tr.scales.append(float(scaler.state.loss_scale))
+    tr.skipped.append(int(scaler.state.num_skipped_steps))
+
+
+def run_capture_step(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
+    if accumulate:
+        raise ValueError("capture_step traces one backward per step")
+    opt = _optimizer(case.model)
+    step = dlspass.capture_step(case.model, case.loss_fn, opt, case.batch, config=config(fmt))
+    tr = Trace()
+    for i in range(STEPS):
+        (b,) = micro_batches(case, i, fmt, False)
+        _scaler_trace(tr, step.scaler, step(b))
+    tr.params = _params(case.model)
+    return tr
+
+
+def run_compile(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
+    model, opt = case.model, _optimizer(case.model)
+    scaler = dlspass.GradScaler(config=config(fmt))
+
+    def train_step(*micro: zoo.Batch) -> Tensor:
+        for b in micro:
+            loss = case.loss_fn(model, b)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = dlspass.compile(train_step, optimizer=opt, scaler=scaler,
+                           mixed_precision=config(fmt).mixed_precision,
+                           backend_compiler=BACKEND_COMPILER)
+    tr = Trace()
+    for i in range(STEPS):
+        _scaler_trace(tr, scaler, step(*micro_batches(case, i, fmt, accumulate)))
+    tr.params = _params(model)
+    return tr
+
+
+def _backend_options(fmt: str) -> dict[str, object]:
+    cfg = config(fmt)
+    return {"fp16_type": cfg.fp16_type, "mixed_precision": cfg.mixed_precision,
+            "backend_compiler": BACKEND_COMPILER}
+
+
+def run_backend(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
+    """``torch.compile(backend="dlspass")`` on the loss module, DLS in the eager scaler."""
+    torch._dynamo.reset()
+    cmodel = torch.compile(zoo.LossModule(case), backend="dlspass", options=_backend_options(fmt))
+    scaler = dlspass.GradScaler(config=config(fmt))
+    loss_case = zoo.Case(cmodel, case.batch, lambda m, b: m(*b))
+    tr = _eager_loop(loss_case, fmt, accumulate, scaler,
+                     lambda: int(scaler.get_num_skipped_steps()))
+    tr.params = _params(case.model)
+    return tr
+
+
+def run_make_backend(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
+    """``make_backend(scaler=)``: the backward graph scales the seed and checks the gradients."""
+    torch._dynamo.reset()
+    model, opt = case.model, _optimizer(case.model)
+    scaler = dlspass.GradScaler(config=config(fmt))
+    backend = dlspass.make_backend(scaler=scaler, **_backend_options(fmt))
+    cmodel = torch.compile(zoo.LossModule(case), backend=backend)
+    tr = Trace()
+    for i in range(STEPS):
+        for b in micro_batches(case, i, fmt, accumulate):
+            loss = cmodel(*b)
+            loss.backward()  # no scaler.scale: the backend scales the seed itself
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        _scaler_trace(tr, scaler, loss)
+    tr.params = _params(model)
+    return tr
+
+
+CLI_YAML = """\
+trainer:
+  init:
+    precision:
+      enabled: true
+      fp16_type: {fp16_type}
+      loss_scaling_factor: dynamic
+      initial_loss_scale: {init}
+      steps_per_increase: {growth}
+      max_loss_scale: {max}
+"""
+
+
+class CLIError(RuntimeError):
+    """A `dlspass` command exited non-zero; the message is its exit code and stderr's last line."""
+
+
+def _cli(*args: object) -> None:
+    import contextlib
+    import io
+
+    from dlspass import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli.run([str(a) for a in args])
+    if rc != 0:
+        lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+        raise CLIError(f"`dlspass {args[0]}` exit {rc}: {lines[-1] if lines else ''}")
+
+
+def run_cli(case: zoo.Case, fmt: str, accumulate: bool = False, name: str = "") -> Trace:
+    """``dlspass export zoo:cli_<name>`` -> ``transform`` -> ``torch.export.load`` -> train."""
+    if accumulate:
+        raise ValueError("a transformed step runs one backward per call")
+    cfg = config(fmt)
+    with tempfile.TemporaryDirectory(prefix="dlspass-matrix-") as tmp:
+        d = Path(tmp)
+        (d / "params.yaml").write_text(CLI_YAML.format(
+            fp16_type=cfg.fp16_type, init=INIT_SCALE, growth=GROWTH_INTERVAL, max=MAX_SCALE))
+        _cli("export", f"zoo:cli_{name}", "-o", d / "joint.pt2")
+        _cli("transform", d / "joint.pt2", "-o", d / "step.pt2", "--config", d / "params.yaml",
+             "--optimizer", "adamw", "--lr", LR, "--weight-decay", WEIGHT_DECAY,
+             "--mixed-precision" if cfg.mixed_precision else "--no-mixed-precision")
+        import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format for loading
+
+        m = torch.export.load(str(d / "step.pt2")).module()
+    tr = Trace()
+    with torch.no_grad():
+        for i in range(STEPS):
+            (b,) = micro_batches(case, i, fmt, False)
+            loss = m(*b)
+            bufs = dict(m.named_buffers())
+            tr.losses.append(float(loss))
+            tr.scales.append(float(bufs["dlspass_scaler_loss_scale"]))
+            tr.skipped.append(int(bufs["dlspass_scaler_num_skipped_steps"]))
+    tr.params = {k.removeprefix("model."): v.detach().clone() for k, v in m.named_parameters()}
+    return tr
+
+
+RUNNERS: dict[str, Callable[..., Trace]] = {
+    "GradScaler": run_grad_scaler, "TorchGradScaler": run_torch_grad_scaler,
+    "capture_step": run_capture_step, "dlspass.compile": run_compile,
+    "backend=dlspass": run_backend, "make_backend": run_make_backend, "cli": run_cli,
+}
+
+
+# ---- comparison ----------------------------------------------------------------------------
+
+@functools.cache
+def reference(model: str, fmt: str, accumulate: bool, torch_amp: bool = False) -> Trace:
+    """The reference run (cached per process): torch.amp or the eager dlspass.GradScaler."""
+    run = run_torch_amp if torch_amp else run_grad_scaler
+    return run(zoo.MODELS[model](), fmt, accumulate)
+
+
+@functools.cache
+def initial_params(model: str) -> dict[str, Tensor]:
+    return _params(zoo.MODELS[model]().model)
+
+
+def update_error(got: dict[str, Tensor], ref: dict[str, Tensor], init: dict[str, Tensor]) -> float:
+    """``||(got - init) - (ref - init)|| / ||ref - init||`` over all parameters (float64)."""
+    num = sum(float((got[k].double() - ref[k].double()).pow(2).sum()) for k in ref)
+    den = sum(float((ref[k].double() - init[k].double()).pow(2).sum()) for k in ref)
+    return math.sqrt(num / den)
+
+
+def compare(got: Trace, ref: Trace, init: dict[str, Tensor], tol: float,
+            bitwise: bool = False) -> tuple[list[str], float | None]:
+    """Failures of ``got`` against ``ref`` (empty when the cell works) and the update error."""
+    bad = [k for k, v in got.params.items() if not torch.isfinite(v).all()]
+    if bad:
+        return [f"non-finite weights after training ({len(bad)} tensors, e.g. {bad[0]})"], None
+    if got.skipped != ref.skipped:
+        return [f"skipped-step counts {got.skipped} != eager {ref.skipped}"], None
+    if got.scales != ref.scales:
+        return [f"loss scales {got.scales} != eager {ref.scales}"], None
+    if set(got.params) != set(ref.params):
+        diff = sorted(set(got.params) ^ set(ref.params))
+        return [f"parameter names differ from the model's: {diff[:3]}"], None
+    if bitwise:
+        differ = [k for k in ref.params if not torch.equal(got.params[k], ref.params[k])]
+        return ([f"not bit-identical to torch.amp.GradScaler: {differ[:3]}"] if differ else []), 0.0
+    err = update_error(got.params, ref.params, init)
+    if not err <= tol:
+        return [f"parameter update differs from eager by {err:.3g} (tolerance {tol})"], err
+    return [], err
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    msg = lines[0] if lines else ""
+    if msg.endswith("raised:") and len(lines) > 1:
+        msg = lines[1]  # dynamo's BackendCompilerFailed: the backend's own error is next
+    for ln in lines:  # inductor and dynamo wrap the real error; keep its line when there is one
+        if ln.startswith(("AssertionError", "RuntimeError", "TypeError", "ValueError")):
+            msg = ln
+            break
+    return f"{type(exc).__name__}: {msg}"[:300]
+
+
+def run_cell(model: str, entry: str, fmt: str, accumulate: bool = False) -> CellResult:
+    """Train ``model`` through ``entry`` in ``fmt`` and compare with its reference."""
+    res = CellResult(model, entry, fmt, accumulate, ok=False)
+    torch._dynamo.reset()
+    try:
+        case = zoo.MODELS[model]()
+        runner = RUNNERS[entry]
+        got = runner(case, fmt, accumulate, name=model) if entry == "cli" else runner(case, fmt, accumulate)
+    except Exception as exc:  # the matrix records what a user would see
+        res.reason = _one_line(exc)
+        res.trace = traceback.format_exc()  # type: ignore[attr-defined]
+        return res
+    if entry in EAGER:
+        ref = reference(model, fmt, accumulate, torch_amp=True)
+        if entry == "GradScaler":
+            ref = dataclasses.replace(ref, scales=CEREBRAS_SCALES)
+        failures, err = compare(got, ref, initial_params(model), TOLERANCE["fp32"],
+                                bitwise=entry == "TorchGradScaler")
+    else:
+        ref = reference(model, fmt, accumulate)
+        failures, err = compare(got, ref, initial_params(model), TOLERANCE[fmt])
+    res.ok, res.reason, res.update_error = not failures, "; ".join(failures), err
+    return res
+
+
+def cells() -> list[tuple[str, str, str, bool]]:
+    """Every cell of the matrix: (model, entry point, format, accumulate)."""
+    out = []
+    for model in zoo.MODELS:
+        for entry in ENTRY_POINTS:
+            for fmt in ("fp32",) if entry in EAGER else FORMATS:
+                out.append((model, entry, fmt, False))
+            if entry in ACCUMULATING:
+                out.append((model, entry, "fp32", True))
+    return out

@@ -1,0 +1,49 @@
+"""Cells of the matrix that fail today, with where the failure comes from.
+
+`test_models_matrix.py` marks these ``xfail(strict=True)``: when a fix lands the test passes,
+the strict xfail fails, and whoever fixed it removes the entry here and reruns
+``tools/compat/run_models.py`` to regenerate docs/COMPATIBILITY.md. Entries are measured
+(``tools/compat/results.jsonl``), not guessed; the summaries say whose limit it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOWERED = ("float16", "bfloat16", "cbfloat16")
+FORMATS = ("fp32", *LOWERED)
+
+
+@dataclass(frozen=True)
+class Known:
+    """Why a cell fails: a short cause, and the torch issue where torch is the limit."""
+
+    summary: str
+
+
+ONE_GRAPH = Known(
+    "by design: `dlspass.compile` compiles a whole step as one graph and rejects a graph break "
+    "at the first call with a one-line CompileError (use `backend=\"dlspass\"` with the eager "
+    "scaler)")
+T5_COMPILE = Known(
+    "dlspass: compiling T5's step fails in dlspass's AOT compiler at the first call (the run "
+    "records dynamo's wrapper line only; issue 13 traces it to find_seed taking T5's "
+    "ones_like/full_like as backward-seed candidates: 'expected one backward seed ... found 3')")
+GPT2_SEEDS = Known(
+    "dlspass: GPT-2 as shipped logs through `logger.warning_once` in every forward, which "
+    "breaks dynamo's graph; the graph before the break returns several tensors that need "
+    "gradients and make_backend rejects it at the first call (issue 13)")
+
+
+def _key(model: str, entry: str, fmt: str, accumulate: bool = False) -> str:
+    return f"{model}-{entry}-{fmt}" + ("-accum" if accumulate else "")
+
+
+KNOWN: dict[str, Known] = {
+    **{_key("graph_break", "dlspass.compile", f): ONE_GRAPH for f in FORMATS},
+    _key("graph_break", "dlspass.compile", "fp32", True): ONE_GRAPH,
+    _key("t5", "dlspass.compile", "fp32"): T5_COMPILE,
+    _key("t5", "dlspass.compile", "fp32", True): T5_COMPILE,
+    _key("gpt2", "make_backend", "fp32"): GPT2_SEEDS,
+    _key("gpt2", "make_backend", "fp32", True): GPT2_SEEDS,
+}
