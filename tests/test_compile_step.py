@@ -556,3 +556,23 @@ def test_steps_that_were_not_one_graph_match_eager(module, request):
     _assert_same_params(step._ctx.optimizer.param_groups[0]["params"], reference)
     if module is _LoggingMLP:  # the logging functions are dynamo's to ignore only while the step runs
         assert logging.Logger.warning_once not in torch._dynamo.config.ignore_logging_functions
+
+
+def test_float64_parameters_are_a_clear_error_at_the_first_call():
+    torch._dynamo.reset()
+    model = MLP().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = dlspass.compile(train_step, optimizer=opt, scaler=_scaler(), backend_compiler="eager")
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _batches(1)[0]
+    with pytest.raises(dlspass.DLSInputError, match=r"float32 master weights, found torch.float64"):
+        step(x.double(), y.double())
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True))
