@@ -290,6 +290,7 @@ def test_fused_qkv_through_inductor_on_a_cold_cache(entry, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two cold inductor compiles of GPT-2; far longer on a busy machine
 @pytest.mark.parametrize("options", [{"mixed_precision": False}, {"fp16_type": "cbfloat16"}])
 def test_transformers_gpt2_through_backend_on_a_cold_cache(options, tmp_path, monkeypatch):
     """transformers' GPT-2 (tiny config, random weights) trains through backend="dlspass"; the
