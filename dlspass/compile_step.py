@@ -179,6 +179,12 @@ class _StepContext:
     def _build(self) -> None:
         """(Re)read the optimizer's structure: groups, parameters, static options, lazy state."""
         opt = self.optimizer
+        wrong = next((p for g in opt.param_groups for p in g["params"] if p.dtype != torch.float32), None)
+        if wrong is not None:
+            # the DLS math and the 16-bit lowering are written for float32 master weights; a
+            # float64 model otherwise fails deep in the graph with a misleading message
+            raise CompileError(f"dlspass.compile: parameters must be float32 master weights, found "
+                               f"{wrong.dtype} (shape {tuple(wrong.shape)}); call model.float() first")
         device = next((p.device for g in opt.param_groups for p in g["params"]), None)
         scaler = self.scaler
         if scaler is not None and device is not None and scaler.state.loss_scale.device != device:

@@ -37,9 +37,9 @@ def _scaler(**kw) -> dlspass.GradScaler:
     return dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10, steps_per_increase=3, **kw)
 
 
-def _compiled_mlp(opt_cls, opt_kw, scaler, **compile_kw):
+def _compiled_mlp(opt_cls, opt_kw, scaler, module=MLP, **compile_kw):
     torch.manual_seed(0)
-    model = MLP()
+    model = module()
     reference = copy.deepcopy(model)
     opt = opt_cls(model.parameters(), **opt_kw)
 
@@ -511,24 +511,6 @@ class _LoggingMLP(torch.nn.Module):
         return self.net(x)
 
 
-def _compiled_module(module, scaler):
-    torch.manual_seed(0)
-    model = module()
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-
-    def train_step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, mixed_precision=False,
-                           backend_compiler="eager")
-    return step, reference, torch.optim.SGD(reference.parameters(), lr=0.05)
-
-
 @pytest.fixture
 def logger_warning_once(monkeypatch):
     @functools.lru_cache(None)
@@ -547,7 +529,9 @@ def test_steps_that_were_not_one_graph_match_eager(module, request):
     torch._dynamo.reset()
     counters.clear()
     scaler, ref_scaler = _scaler(), _scaler()
-    step, reference, ref_opt = _compiled_module(module, scaler)
+    _, reference, _, step = _compiled_mlp(torch.optim.SGD, {"lr": 0.05}, scaler, module=module,
+                                          mixed_precision=False)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     _train_both(step, reference, ref_opt, ref_scaler, _batches(6))
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
@@ -556,3 +540,14 @@ def test_steps_that_were_not_one_graph_match_eager(module, request):
     _assert_same_params(step._ctx.optimizer.param_groups[0]["params"], reference)
     if module is _LoggingMLP:  # the logging functions are dynamo's to ignore only while the step runs
         assert logging.Logger.warning_once not in torch._dynamo.config.ignore_logging_functions
+
+
+def test_float64_parameters_are_a_clear_error_at_the_first_call():
+    torch._dynamo.reset()
+    model, _, _, step = _compiled_mlp(torch.optim.SGD, {"lr": 0.1}, _scaler(),
+                                      module=lambda: MLP().double())
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _batches(1)[0]
+    with pytest.raises(dlspass.DLSInputError, match=r"float32 master weights, found torch.float64"):
+        step(x.double(), y.double())
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True))

@@ -171,34 +171,32 @@ def _train_scaled(step_loss, model, n_steps: int, bad_step: int, *, backend_scal
     return scales, weights, scaler
 
 
-def _graph_break_losses():
+def _compiled_losses(micro_losses):
+    """``losses(model, bad, backend)`` for `_train_scaled`: ``micro_losses(run, bad)`` with
+    ``run`` the model, compiled once with ``backend`` when one is given."""
     compiled: dict[int, torch.nn.Module] = {}
 
     def losses(model, bad, backend):
         run = model
         if backend is not None:
             run = compiled.setdefault(id(model), torch.compile(model, backend=backend))
-        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
-        yield run(x, torch.full((8,), float("inf") if bad else 0.0))
+        yield from micro_losses(run, bad)
 
     return losses
 
 
-def _accumulated_losses():
-    compiled: dict[int, torch.nn.Module] = {}
+def _graph_break_losses(run, bad):
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    yield run(x, torch.full((8,), float("inf") if bad else 0.0))
 
-    def losses(model, bad, backend):
-        run = model
-        if backend is not None:
-            run = compiled.setdefault(id(model), torch.compile(model, backend=backend))
-        g = torch.Generator().manual_seed(2)
-        for micro in range(2):  # the overflow is in the first micro-batch only
-            x = torch.randn(3, 8, generator=g)
-            if bad and micro == 0:
-                x[0, 0] = float("inf")
-            yield run(x).pow(2).mean()
 
-    return losses
+def _accumulated_losses(run, bad):
+    g = torch.Generator().manual_seed(2)
+    for micro in range(2):  # the overflow is in the first micro-batch only
+        x = torch.randn(3, 8, generator=g)
+        if bad and micro == 0:
+            x[0, 0] = float("inf")
+        yield run(x).pow(2).mean()
 
 
 @pytest.mark.parametrize("case", ["graph_break", "accumulation"])
@@ -207,9 +205,9 @@ def test_make_backend_skips_overflow_in_any_backward_like_eager_scaler(case):
     the flags combine, so the step with one overflow is skipped as the eager scaler skips it."""
     torch._dynamo.reset()
     if case == "graph_break":
-        make, losses = _GraphBreak, _graph_break_losses()
+        make, losses = _GraphBreak, _compiled_losses(_graph_break_losses)
     else:
-        make, losses = (lambda: _linear()[0]), _accumulated_losses()
+        make, losses = (lambda: _linear()[0]), _compiled_losses(_accumulated_losses)
     model, reference = make(), make()
     reference.load_state_dict(model.state_dict())
     got = _train_scaled(losses, model, 5, 2, backend_scaled=True)
@@ -292,6 +290,7 @@ def test_fused_qkv_through_inductor_on_a_cold_cache(entry, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two cold inductor compiles of GPT-2; far longer on a busy machine
 @pytest.mark.parametrize("options", [{"mixed_precision": False}, {"fp16_type": "cbfloat16"}])
 def test_transformers_gpt2_through_backend_on_a_cold_cache(options, tmp_path, monkeypatch):
     """transformers' GPT-2 (tiny config, random weights) trains through backend="dlspass"; the
