@@ -41,6 +41,7 @@ _LAZY = {
     "HeldScheduler": "dlspass.scaler",
     "ScaleFloorWarning": "dlspass.scaler",
     "ScaleFloorError": "dlspass.scaler",
+    "ScalerStateError": "dlspass.scaler",
     "ScalerState": "dlspass.scale_policy",
     "round_to_format": "dlspass.formats",
     "formats": "dlspass.formats",

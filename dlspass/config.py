@@ -58,14 +58,76 @@ def preset_defaults(policy: str, fp16_type: str) -> PresetDefaults:
     raise ConfigError(f"policy: unknown preset {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
+# float32 bounds: every scale lives in a float32 tensor, so it must be a normal float32 whose
+# reciprocal is finite too (unscaling multiplies by 1/scale); 2**-126 is the smallest normal.
+FLOAT32_MIN_NORMAL = 2.0**-126
+# Step counters are int64 tensors: an interval must fit int64 (2**63 - 1 is torch's and Model Zoo's
+# "never grow"), so that a hostile value (10**30) cannot overflow the counter arithmetic.
+MAX_STEPS = 2**63 - 1
+_EXCERPT = 60
+
+
+def excerpt(value: object) -> str:
+    """A bounded, one-line rendering of ``value`` for error messages (never a full ``repr``).
+
+    Long strings are cut, containers show their type and size, huge integers their bit length:
+    a 50 MB string or an alias tree from a YAML file cannot blow up an error line.
+    """
+    if isinstance(value, str):
+        head = value[:_EXCERPT]
+        text = repr(head)
+        return text if len(value) <= _EXCERPT else f"{text[:-1]}...' ({len(value)} characters)"
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return f"{type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
 def _number(name: str, value: Any, *, allow_none: bool = True) -> float | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name}: expected a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ConfigError(f"{name}: must be finite, got {value!r}")
-    return float(value)
+        raise ConfigError(f"{name}: expected a number, got {excerpt(value)}")
+    try:
+        as_float = float(value)
+    except OverflowError:
+        raise ConfigError(f"{name}: must be finite, got {excerpt(value)}") from None
+    if not math.isfinite(as_float):
+        raise ConfigError(f"{name}: must be finite, got {excerpt(value)}")
+    return as_float
+
+
+def _scale(name: str, value: Any) -> float | None:
+    """A loss scale: a number that float32 holds as a normal value with a finite reciprocal."""
+    v = _number(name, value)
+    if v is None:
+        return None
+    if v <= 0:
+        raise ConfigError(f"{name}: must be > 0, got {excerpt(value)}")
+    if not FLOAT32_MIN_NORMAL <= v <= FLOAT32_MAX:
+        raise ConfigError(
+            f"{name}: {excerpt(value)} is outside float32's range for a loss scale "
+            f"[2**-126, {FLOAT32_MAX:.6g}]; the scale is held in float32"
+        )
+    return v
+
+
+def _steps(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: expected a positive integer, got {excerpt(value)}")
+    if not 0 < value <= MAX_STEPS:
+        raise ConfigError(f"{name}: must be an integer in [1, {MAX_STEPS}], got {excerpt(value)}")
+    return value
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...], what: str) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{name}: unknown {what} {excerpt(value)}; choose one of {', '.join(choices)}")
 
 
 @dataclass(frozen=True)
@@ -102,46 +164,40 @@ class DLSConfig:
     extras: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        if self.fp16_type not in FP16_TYPES:
-            raise ConfigError(
-                f"fp16_type: unknown format {self.fp16_type!r}; choose one of {', '.join(FP16_TYPES)}"
-            )
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy: unknown preset {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        # Every check names the field and shows a bounded excerpt of the value (see `excerpt`);
+        # numbers are checked in float32 terms, since that is how the scaler holds them.
+        _choice("fp16_type", self.fp16_type, FP16_TYPES, "format")
+        _choice("policy", self.policy, POLICIES, "preset")
         ls = self.loss_scale
         if isinstance(ls, str):
             if ls != "dynamic":
-                raise ConfigError(f"loss_scale: expected 'dynamic', a number or None, got {ls!r}")
+                raise ConfigError(f"loss_scale: expected 'dynamic', a number or None, got {excerpt(ls)}")
         elif ls is not None:
-            v = _number("loss_scale", ls)
-            if v is None or v <= 0:
-                raise ConfigError(f"loss_scale: a static scale must be > 0, got {ls!r}")
-        for name in ("initial_loss_scale", "min_loss_scale", "max_loss_scale", "growth_factor",
-                     "backoff_factor", "max_gradient_norm", "max_gradient_value"):
+            _scale("loss_scale", ls)
+        for name in ("initial_loss_scale", "min_loss_scale", "max_loss_scale"):
+            _scale(name, getattr(self, name))
+        for name in ("growth_factor", "backoff_factor", "max_gradient_norm", "max_gradient_value"):
             v = _number(name, getattr(self, name))
-            if v is not None and v <= 0:
-                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+            if v is not None and not 0 < v <= FLOAT32_MAX:
+                raise ConfigError(f"{name}: must be > 0 and at most float32's max, "
+                                  f"got {excerpt(getattr(self, name))}")
         for name in ("steps_per_increase", "hysteresis"):
-            v = getattr(self, name)
-            if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ConfigError(f"{name}: expected a positive integer, got {v!r}")
-            if v <= 0:
-                raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+            _steps(name, getattr(self, name))
         tol = _number("overflow_tolerance", self.overflow_tolerance)
         if tol is not None and not 0.0 <= tol < 1.0:
-            raise ConfigError(f"overflow_tolerance: must be in [0, 1), got {self.overflow_tolerance!r}")
+            raise ConfigError(f"overflow_tolerance: must be in [0, 1), got {excerpt(self.overflow_tolerance)}")
         if self.growth_factor is not None and self.growth_factor <= 1.0:
             raise ConfigError(f"growth_factor: must be > 1, got {self.growth_factor!r}")
         if self.backoff_factor is not None and not 0.0 < self.backoff_factor < 1.0:
             raise ConfigError(f"backoff_factor: must be in (0, 1), got {self.backoff_factor!r}")
         if self.max_gradient_norm is not None and self.max_gradient_value is not None:
             raise ConfigError("max_gradient_norm and max_gradient_value: set at most one of them")
-        if self.on_scale_floor not in ("warn", "raise"):
-            raise ConfigError(f"on_scale_floor: expected 'warn' or 'raise', got {self.on_scale_floor!r}")
-        if not isinstance(self.mixed_precision, bool):
-            raise ConfigError(f"mixed_precision: expected a bool, got {self.mixed_precision!r}")
+        _choice("on_scale_floor", self.on_scale_floor, ("warn", "raise"), "action")
+        for name in ("mixed_precision", "consecutive_hysteresis", "log_loss_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected a bool, got {excerpt(getattr(self, name))}")
+        if not isinstance(self.extras, dict) or not all(isinstance(k, str) for k in self.extras):
+            raise ConfigError(f"extras: expected a dict with string keys, got {excerpt(self.extras)}")
         if self.min_scale > self.max_scale:
             raise ConfigError(
                 f"min_loss_scale ({self.min_scale!r}) is greater than max_loss_scale ({self.max_scale!r})"
@@ -230,15 +286,23 @@ class DLSConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: str = "<dict>") -> DLSConfig:
-        """Read a Model Zoo params dict (current or legacy layout) or a flat dlspass dict."""
+    def from_dict(cls, data: dict[str, Any], *, source: str = "<dict>",
+                  modelzoo_release: str | None = None, modelzoo_model: str | None = None) -> DLSConfig:
+        """Read a Model Zoo params dict (current or legacy layout) or a flat dlspass dict.
+
+        ``modelzoo_release`` (e.g. ``"2.4"`` or ``"Release_2.4.0"``) and ``modelzoo_model`` (the
+        Model Zoo model directory, e.g. ``"gpt3"``) pick the release-dependent defaults; see
+        docs/MODELZOO.md.
+        """
         from .modelzoo import config_from_params
 
-        return config_from_params(data, source=source)
+        return config_from_params(data, source=source, modelzoo_release=modelzoo_release,
+                                  modelzoo_model=modelzoo_model)
 
     @classmethod
-    def from_yaml(cls, path: str) -> DLSConfig:
-        """Read the precision settings of a Model Zoo ``params.yaml``."""
+    def from_yaml(cls, path: str, *, modelzoo_release: str | None = None,
+                  modelzoo_model: str | None = None) -> DLSConfig:
+        """Read the precision settings of a Model Zoo ``params.yaml`` (see `from_dict`)."""
         from .modelzoo import config_from_yaml
 
-        return config_from_yaml(path)
+        return config_from_yaml(path, modelzoo_release=modelzoo_release, modelzoo_model=modelzoo_model)

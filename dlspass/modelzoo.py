@@ -1,44 +1,55 @@
 """Read the precision settings of a Cerebras Model Zoo ``params.yaml`` into a `DLSConfig`.
 
-Three layouts are understood (SPEC.md §2):
+Three layouts are understood:
 
-- current: ``trainer.init.precision`` holds ``enabled``, ``fp16_type``, ``precision_opt_level``,
-  ``loss_scaling_factor``, ``initial_loss_scale``, ``steps_per_increase``, ``min_loss_scale``,
-  ``max_loss_scale``, ``max_gradient_norm`` / ``max_gradient_value`` and ``log_loss_scale``;
-- legacy: the DLS keys (plus ``log_summaries``) under ``optimizer:``, ``mixed_precision``,
-  ``fp16_type`` (and the older ``use_bfloat16``) under ``model:``, ``precision_opt_level`` and
-  ``load_checkpoint_states`` under ``runconfig:``;
+- current (Model Zoo >= 2.3): ``trainer.init.precision`` holds ``enabled``, ``fp16_type``,
+  ``precision_opt_level``, ``loss_scaling_factor``, ``initial_loss_scale``,
+  ``steps_per_increase``, ``min_loss_scale``, ``max_loss_scale``, ``max_gradient_norm`` /
+  ``max_gradient_value`` and ``log_loss_scale``;
+- legacy: the DLS keys (plus ``log_summaries``) under ``optimizer:``; ``mixed_precision``,
+  ``fp16_type``, the older ``use_bfloat16`` and (up to 2.0) ``precision_opt_level`` under
+  ``model:``; ``precision_opt_level`` and ``load_checkpoint_states`` under ``runconfig:``;
+  ``use_cbfloat16`` under ``csconfig:`` (up to 1.9);
 - flat: a dict of `DLSConfig` field names, as `DLSConfig.to_dict` returns it.
+
+What an absent key means depends on the Model Zoo release that runs the file (``fp16_type``
+became bfloat16 by default in 2.4, ``log_loss_scale`` follows ``loss_scaling_factor`` since 2.5,
+GPT-style models defaulted to bfloat16 from 1.7 to 2.2): `ModelZooRules` holds those rules per
+release, read from each release's code; docs/MODELZOO.md lists them with their sources. Without
+``modelzoo_release`` the newest release's rules apply (what running the file on Model Zoo today
+does), unless the file uses keys only older releases read (``use_bfloat16``,
+``csconfig.use_cbfloat16``, ``model.precision_opt_level``): then it is read as a 2.0 file.
 
 Model Zoo configs are full of unrelated keys (learning rates, model sizes, data paths): those are
 ignored. Inside the precision settings every key must be known and well typed; mistakes are a
-one-line `ConfigError` that names the file and the key path. In the legacy sections, which mix
-precision keys with everything else, a key that is a near miss of a precision key (a typo such as
-``loss_scaling_factr``) is an error too, so that a typo cannot silently turn DLS off.
+one-line `ConfigError` that names the file and the key path and shows a bounded excerpt of the
+value. In the legacy sections, which mix precision keys with everything else, a near miss of a
+precision key (``loss_scaling_factr``) is an error too, so that a typo cannot turn DLS off.
 
-Absent keys take Model Zoo's defaults, which differ from `DLSConfig`'s in one place: an absent
-``loss_scaling_factor`` means 1.0 (no scaling), as in Model Zoo's ``MixedPrecision``; mixed
-precision defaults to on (Cerebras hardware forces it on) and ``fp16_type`` to float16 (SPEC §1).
-A config without any precision settings gives fp32 training without scaling.
+Files are read defensively: regular files only, at most `MAX_YAML_BYTES`, no duplicate keys
+(Model Zoo's loader rejects them since 2.5), a bound on nesting depth and on the size of the
+tree that aliases expand to, so that a crafted file fails fast with one line.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
+import os
 import re
+import stat
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .config import FP16_TYPES, ConfigError, DLSConfig
+from .config import FLOAT32_MAX, FP16_TYPES, ConfigError, DLSConfig, excerpt, preset_defaults
 
-__all__ = ["config_from_params", "config_from_yaml", "load_yaml"]
+__all__ = ["ModelZooRules", "config_from_params", "config_from_yaml", "load_yaml", "modelzoo_rules"]
 
 _MISSING = object()
 
-# Model Zoo precision key -> DLSConfig field (None: kept in DLSConfig.extras)
+# Model Zoo precision key -> DLSConfig field
 _DLS_KEYS = {
     "loss_scaling_factor": "loss_scale",
     "initial_loss_scale": "initial_loss_scale",
@@ -57,16 +68,124 @@ _CURRENT_KEYS = {
 }
 _LEGACY_SECTIONS = {
     "optimizer": {**_DLS_KEYS, "log_summaries": None},
-    "model": {"mixed_precision": "mixed_precision", "fp16_type": "fp16_type", "use_bfloat16": None},
+    "model": {"mixed_precision": None, "fp16_type": None, "use_bfloat16": None,
+              "precision_opt_level": None},
     "runconfig": {"precision_opt_level": None, "load_checkpoint_states": None},
+    "csconfig": {"use_cbfloat16": None},
 }
 # How close an unknown legacy key must be to a precision key to count as its typo.
 _TYPO_CUTOFF = 0.85
+# cstorch's GradScaler refuses a dynamic min_loss_scale below 2**-14 ("min_loss_scale too small").
+_CSTORCH_MIN_LOSS_SCALE = 2.0**-14
+
+# ---- release rules ----------------------------------------------------------------------------
+_FIRST_RELEASE = (1, 6)
+_LATEST_RELEASE = (2, 10)
+# Models whose run.py applied gpt2/gptj `set_defaults` (use_bfloat16 / fp16_type defaulting to
+# bfloat16), per release: modelzoo/transformers/pytorch/<model>/run.py (R_1.7.0 .. 2.0.3) and
+# src/cerebras/modelzoo/models/nlp/<model>/run.py (2.1.0 .. 2.2.1).
+_GPT_DEFAULTS = {
+    (1, 7): {"gpt2", "gpt3", "gptj"},
+    (1, 8): {"gpt2", "gpt3", "gptj"},
+    (1, 9): {"gpt2", "gpt3", "gptj", "bloom", "falcon", "llama"},
+    (2, 0): {"gpt2", "gpt3", "gptj", "bloom", "falcon", "llama", "btlm", "starcoder"},
+    (2, 1): {"gpt2", "gpt3", "gptj", "bloom", "falcon", "llama", "btlm", "starcoder", "mistral",
+             "mpt", "santacoder"},
+    (2, 2): {"gpt2", "gpt3", "gptj", "bloom", "falcon", "llama", "btlm", "starcoder", "mistral",
+             "mpt", "santacoder", "jais"},
+}
+
+
+@dataclass(frozen=True)
+class ModelZooRules:
+    """What one Model Zoo release does with an absent or legacy precision key.
+
+    ``release`` is ``(major, minor)``; ``model`` the Model Zoo model directory (or None).
+    """
+
+    release: tuple[int, int]
+    model: str | None = None
+
+    @property
+    def has_trainer(self) -> bool:
+        """The ``trainer:`` layout exists (2.3+); legacy files are converted to it from 2.3 on."""
+        return self.release >= (2, 3)
+
+    def default_fp16_type(self) -> str:
+        """The half format used when the file names none (MixedPrecision / half_dtype defaults)."""
+        if self.has_trainer:
+            # trainer/callbacks/precision.py: MixedPrecision(fp16_type="float16") in 2.3,
+            # "bfloat16" from 2.4 on; legacy files go through the same callback.
+            return "bfloat16" if self.release >= (2, 4) else "float16"
+        if self.model in _GPT_DEFAULTS.get(self.release, ()):
+            return "bfloat16"
+        return "float16"
+
+    @property
+    def log_follows_dynamic(self) -> bool:
+        """An absent (or null) log_loss_scale means "log when dynamic" (MixedPrecision, 2.5+)."""
+        return self.release >= (2, 5)
+
+    @property
+    def log_summaries_logs_scale(self) -> bool:
+        """optimizer.log_summaries also logs the loss scale in this release.
+
+        1.8-1.9: pytorch_base_runner._log_summaries_loss_scale; 2.0.x: run_cstorch_flow returns
+        loss_scale None whatever log_summaries says; 2.1+: run_cstorch_flow logs
+        grad_scaler.get_scale() under log_summaries, and the trainer conversion maps
+        log_summaries to precision.log_loss_scale. R_1.6/1.7 do not read the key.
+        """
+        return (1, 8) <= self.release < (2, 0) or self.release >= (2, 1)
+
+    @property
+    def reads_model_precision_opt_level(self) -> bool:
+        """model.precision_opt_level is read (deprecated) up to 2.0; 2.1 raises on it."""
+        return self.release <= (2, 0)
+
+    @property
+    def reads_use_bfloat16(self) -> bool:
+        """model.use_bfloat16 is read up to 2.0; half_dtype.py of 2.1+ raises KeyError on it."""
+        return self.release <= (2, 0)
+
+    @property
+    def reads_csconfig(self) -> bool:
+        """csconfig.use_cbfloat16 is passed to cbtorch.initialize up to 1.9."""
+        return self.release <= (1, 9)
+
+
+def modelzoo_rules(release: str | tuple[int, int] | None = None, model: str | None = None) -> ModelZooRules:
+    """Parse a release name (``"2.4"``, ``"2.4.0"``, ``"R_1.7.0"``, ``"Release_2.10.0"``).
+
+    ``None`` means the newest release dlspass knows (2.10).
+    """
+    if release is None:
+        parsed = _LATEST_RELEASE
+    elif isinstance(release, tuple):
+        parsed = release
+    else:
+        m = re.fullmatch(r"(?:R_|Release_|rel-|v)?(\d{1,2})\.(\d{1,2})(?:\.\d{1,3})?", str(release).strip())
+        if m is None:
+            raise ConfigError(f"modelzoo_release: expected a release such as '2.4' or "
+                              f"'Release_2.4.0', got {excerpt(release)}")
+        parsed = (int(m.group(1)), int(m.group(2)))
+    if not (isinstance(parsed, tuple) and len(parsed) == 2 and all(type(x) is int for x in parsed)):
+        raise ConfigError(f"modelzoo_release: expected (major, minor), got {excerpt(release)}")
+    if parsed < _FIRST_RELEASE:
+        raise ConfigError(f"modelzoo_release: {parsed[0]}.{parsed[1]} predates R_1.6.0, the first "
+                          "release dlspass reads")
+    if model is not None and not isinstance(model, str):
+        raise ConfigError(f"modelzoo_model: expected a model directory name, got {excerpt(model)}")
+    return ModelZooRules(parsed, model)
 
 
 # ---- value checkers: (value, where) -> normalised value, raising ConfigError ---------------------
+def _key(key: Any) -> str:
+    """A mapping key as it appears in a key path: short strings as they are, others as an excerpt."""
+    return key if isinstance(key, str) and len(key) <= 60 and key.isprintable() else excerpt(key)
+
+
 def _fail(where: str, expected: str, value: Any) -> ConfigError:
-    return ConfigError(f"{where}: expected {expected}, got {value!r}")
+    return ConfigError(f"{where}: expected {expected}, got {excerpt(value)}")
 
 
 def _bool(value: Any, where: str) -> bool:
@@ -79,14 +198,26 @@ def _optional_bool(value: Any, where: str) -> bool | None:
     return None if value is None else _bool(value, where)
 
 
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (not a number, inf, NaN, or too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        v = float(value)
+    except OverflowError:
+        return None
+    return v if v == v and abs(v) != float("inf") else None
+
+
 def _positive(value: Any, where: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(where, "a positive number or null", value)
-    if not math.isfinite(value) or value <= 0:
+    v = _finite(value)
+    if v is None or v <= 0:
         raise _fail(where, "a finite number > 0", value)
-    return float(value)
+    return v
 
 
 def _positive_int(value: Any, where: str) -> int | None:
@@ -102,19 +233,20 @@ def _loss_scale(value: Any, where: str) -> str | float | None:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(where, '"dynamic", a number or null', value)
-    if not math.isfinite(value) or value <= 0:
+    v = _finite(value)
+    if v is None or v <= 0:
         raise _fail(where, '"dynamic" or a finite number > 0', value)
-    return float(value)
+    return v
 
 
 def _fp16_type(value: Any, where: str) -> str:
-    if value not in FP16_TYPES:
+    if not isinstance(value, str) or value not in FP16_TYPES:
         raise _fail(where, "one of " + " | ".join(FP16_TYPES), value)
     return value
 
 
 def _opt_level(value: Any, where: str) -> int | None:
-    if value is not None and (isinstance(value, bool) or value not in (0, 1, 2)):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2)):
         raise _fail(where, "0, 1, 2 or null", value)
     return value
 
@@ -136,6 +268,7 @@ _CHECKERS: dict[str, Callable[[Any, str], Any]] = {
     "enabled": _bool,
     "mixed_precision": _bool,
     "use_bfloat16": _bool,
+    "use_cbfloat16": _bool,
     "fp16_type": _fp16_type,
     "precision_opt_level": _opt_level,
     "loss_scaling_factor": _loss_scale,
@@ -154,25 +287,26 @@ _CHECKERS: dict[str, Callable[[Any, str], Any]] = {
 # ---- layouts ------------------------------------------------------------------------------------
 def _mapping(value: Any, where: str) -> Mapping:
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{where}: expected a mapping, got {excerpt(value)}")
     return value
 
 
-def _read_current(data: Mapping, src: str) -> dict[str, Any]:
+def _read_current(data: Mapping, src: str) -> dict[str, Any] | None:
+    """The checked keys of trainer.init.precision; None when there is no precision callback."""
     trainer = _mapping(data["trainer"], f"{src}trainer")
     init = trainer.get("init", _MISSING)
     if init is _MISSING:
-        return {}
+        return None
     init = _mapping(init, f"{src}trainer.init")
     precision = init.get("precision", _MISSING)
-    if precision is _MISSING:
-        return {}
-    if precision is None:
-        precision = {}
+    if precision is _MISSING or precision is None:
+        # trainer/validate.py: `precision: Optional[MixedPrecision config] = None`, and
+        # trainer/utils.py builds no Precision callback from None: fp32 without a scaler.
+        return None
     precision = _mapping(precision, f"{src}trainer.init.precision")
     out = {}
     for key, value in precision.items():
-        where = f"{src}trainer.init.precision.{key}"
+        where = f"{src}trainer.init.precision.{_key(key)}"
         if key not in _CURRENT_KEYS:
             raise ConfigError(f"{where}: unknown precision key{_hint(key, _CURRENT_KEYS)}")
         out[key] = _CHECKERS[key](value, where)
@@ -180,6 +314,7 @@ def _read_current(data: Mapping, src: str) -> dict[str, Any]:
 
 
 def _read_legacy(data: Mapping, src: str) -> dict[str, Any]:
+    """The checked precision keys of the legacy sections, as ``section.key``."""
     out: dict[str, Any] = {}
     for section, known in _LEGACY_SECTIONS.items():
         body = data.get(section, _MISSING)
@@ -187,63 +322,106 @@ def _read_legacy(data: Mapping, src: str) -> dict[str, Any]:
             continue
         body = _mapping(body, f"{src}{section}")
         for key, value in body.items():
-            where = f"{src}{section}.{key}"
+            where = f"{src}{section}.{_key(key)}"
             if key in known:
-                out[key] = _CHECKERS[key](value, where)
-            elif isinstance(key, str) and difflib.get_close_matches(key, known, 1, _TYPO_CUTOFF):
+                out[f"{section}.{key}"] = _CHECKERS[key](value, where)
+            elif isinstance(key, str) and len(key) < 200 and difflib.get_close_matches(key, known, 1, _TYPO_CUTOFF):
                 raise ConfigError(f"{where}: unknown key{_hint(key, known)}")
-    # `use_bfloat16` predates `fp16_type`; it may only agree with it.
-    use_bf16 = out.pop("use_bfloat16", None)
-    if use_bf16:
-        if out.get("fp16_type", "bfloat16") != "bfloat16":
-            raise ConfigError(
-                f"{src}model.use_bfloat16: true contradicts model.fp16_type: {out['fp16_type']}"
-            )
-        out["fp16_type"] = "bfloat16"
-    if "mixed_precision" in out:
-        out["enabled"] = out.pop("mixed_precision")
     return out
 
 
+def _legacy_to_current(values: dict[str, Any], src: str, rules: ModelZooRules) -> dict[str, Any]:
+    """Fold legacy keys into the current layout's names, as the given release reads them."""
+    out = {k.split(".", 1)[1]: v for k, v in values.items()
+           if k.startswith("optimizer.") and k != "optimizer.log_summaries"}
+    if "model.mixed_precision" in values:
+        out["enabled"] = values["model.mixed_precision"]
+    if "model.fp16_type" in values:
+        out["fp16_type"] = values["model.fp16_type"]
+    use_bf16 = values.get("model.use_bfloat16")
+    if use_bf16 is not None and not rules.reads_use_bfloat16:
+        raise ConfigError(f"{src}model.use_bfloat16: Model Zoo {_name(rules)} rejects this key "
+                          "(deprecated in 2.1; use model.fp16_type)")
+    if use_bf16:
+        if out.get("fp16_type", "bfloat16") != "bfloat16":
+            raise ConfigError(f"{src}model.use_bfloat16: true contradicts model.fp16_type: {out['fp16_type']}")
+        out["fp16_type"] = "bfloat16"
+    elif use_bf16 is False and "fp16_type" not in out:
+        out["fp16_type"] = "float16"
+    use_cb16 = values.get("csconfig.use_cbfloat16")
+    if use_cb16 is not None and not rules.reads_csconfig:
+        raise ConfigError(f"{src}csconfig.use_cbfloat16: Model Zoo {_name(rules)} does not read this "
+                          "key (last read by 1.9); use model.fp16_type: cbfloat16")
+    if use_cb16:
+        if use_bf16 or out.get("fp16_type", "cbfloat16") != "cbfloat16":
+            raise ConfigError(f"{src}csconfig.use_cbfloat16: true contradicts the model's bfloat16/float16 setting")
+        out["fp16_type"] = "cbfloat16"
+    model_pol = values.get("model.precision_opt_level")
+    if model_pol is not None and not rules.reads_model_precision_opt_level:
+        raise ConfigError(f"{src}model.precision_opt_level: Model Zoo {_name(rules)} no longer reads "
+                          "it here; use runconfig.precision_opt_level")
+    # run_cstorch_flow.py (1.9, 2.0): runconfig's value wins over the deprecated model one.
+    pol = values.get("runconfig.precision_opt_level", model_pol)
+    if pol is not None:
+        out["precision_opt_level"] = pol
+    if "optimizer.log_summaries" in values:
+        logs = values["optimizer.log_summaries"] and rules.log_summaries_logs_scale
+        out["log_loss_scale"] = logs
+    return out
+
+
+def _name(rules: ModelZooRules) -> str:
+    return f"{rules.release[0]}.{rules.release[1]}"
+
+
 def _hint(key: Any, known: Mapping) -> str:
-    close = difflib.get_close_matches(str(key), list(known), 1, 0.6)
+    close = difflib.get_close_matches(str(key)[:200], list(known), 1, 0.6)
     if close:
         return f" (did you mean {close[0]!r}?)"
     return "; known keys: " + ", ".join(sorted(known))
 
 
-def _build(values: dict[str, Any], src: str, dls: str, *, found: bool) -> DLSConfig:
-    """Turn checked Model Zoo keys into a DLSConfig, applying Model Zoo's defaults.
+def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRules,
+           extras: dict[str, Any]) -> DLSConfig:
+    """Turn checked Model Zoo keys into a DLSConfig, applying the release's defaults.
 
-    ``dls`` is the key path of the section holding the DLS keys, for error messages.
+    ``values`` None means no precision callback (fp32 without a scaler); ``dls`` is the key path
+    of the section holding the DLS keys, for error messages.
     """
-    if not found:
-        # No precision settings at all: Model Zoo trains in fp32 without a scaler.
-        return DLSConfig(mixed_precision=False, loss_scale=None)
+    if values is None:
+        return DLSConfig(mixed_precision=False, loss_scale=None, extras=extras)
     if values.get("max_gradient_norm") is not None and values.get("max_gradient_value") is not None:
         raise ConfigError(
             f"{src}{dls}max_gradient_norm and {dls}max_gradient_value: set at most one of them"
         )
     enabled = values.get("enabled", True)
-    fp16_type = values.get("fp16_type", "float16")
+    fp16_type = values.get("fp16_type") or rules.default_fp16_type()
     loss_scale = values.get("loss_scaling_factor", 1.0)
     if enabled and fp16_type == "cbfloat16" and loss_scale != "dynamic":
-        got = (f"got {values['loss_scaling_factor']!r}" if "loss_scaling_factor" in values
+        got = (f"got {excerpt(values['loss_scaling_factor'])}" if "loss_scaling_factor" in values
                else "absent means 1.0")
         raise ConfigError(
             f"{src}{dls}loss_scaling_factor: cbfloat16 requires loss_scaling_factor: dynamic "
             f"({got}); a static scale lets gradients underflow or overflow"
         )
-    kwargs: dict[str, Any] = {"mixed_precision": enabled, "fp16_type": fp16_type,
-                              "loss_scale": loss_scale}
+    kwargs: dict[str, Any] = {"mixed_precision": enabled, "fp16_type": fp16_type, "loss_scale": loss_scale}
     for key, field_name in _DLS_KEYS.items():
-        if key != "loss_scaling_factor" and values.get(key) is not None:
+        if key not in ("loss_scaling_factor", "log_loss_scale") and values.get(key) is not None:
             kwargs[field_name] = values[key]
-    if values.get("log_loss_scale", _MISSING) is None:
-        # Model Zoo: null means "log when the scale is dynamic".
-        kwargs["log_loss_scale"] = loss_scale == "dynamic"
-    extras = {k: values[k] for k in ("precision_opt_level", "log_summaries", "load_checkpoint_states")
-              if values.get(k) is not None}
+    log = values.get("log_loss_scale")
+    if log is None:
+        log = rules.log_follows_dynamic and loss_scale == "dynamic"
+    kwargs["log_loss_scale"] = log
+    if loss_scale == "dynamic" and fp16_type != "bfloat16":
+        _cstorch_dynamic_rules(kwargs, values, src, dls)
+    if values.get("precision_opt_level") is not None:
+        extras = {"precision_opt_level": values["precision_opt_level"], **extras}
+    if enabled and fp16_type == "bfloat16" and loss_scale not in (None, 1.0):
+        # MixedPrecision.setup: "No need to use loss scaling when half dtype is bfloat16".
+        why = f" (Model Zoo {_name(rules)}'s default)" if "fp16_type" not in values else ""
+        warnings.warn(f"{src}{dls}loss_scaling_factor: {excerpt(loss_scale)} is dropped: the half "
+                      f"format is bfloat16{why}, which has float32's range, so Model Zoo trains "
+                      "without loss scaling", UserWarning, stacklevel=4)
     try:
         return DLSConfig(**kwargs, extras=extras)
     except ConfigError as exc:
@@ -254,12 +432,29 @@ def _build(values: dict[str, Any], src: str, dls: str, *, found: bool) -> DLSCon
         raise ConfigError(f"{src}{msg}") from None
 
 
+def _cstorch_dynamic_rules(kwargs: dict[str, Any], values: dict[str, Any], src: str, dls: str) -> None:
+    """cstorch GradScaler: init = min(max, init); a dynamic min below 2**-14 is refused."""
+    low = values.get("min_loss_scale")
+    if low is not None and low < _CSTORCH_MIN_LOSS_SCALE:
+        raise ConfigError(f"{src}{dls}min_loss_scale: {excerpt(low)} is below 2**-14; cstorch's "
+                          "GradScaler refuses it (min_loss_scale too small)")
+    init = values.get("initial_loss_scale")
+    if init is None:
+        return
+    high = values.get("max_loss_scale")
+    if high is None:
+        high = preset_defaults("cerebras", kwargs["fp16_type"]).max_loss_scale
+    if init > high and init <= FLOAT32_MAX:
+        kwargs["initial_loss_scale"] = float(high)
+
+
 def _read_flat(data: Mapping, src: str) -> DLSConfig:
     names = {f.name for f in fields(DLSConfig)}
     for key, value in data.items():
         if key not in names:
             raise ConfigError(
-                f"{src}{key}: unknown DLSConfig field{_hint(key, dict.fromkeys(names))} "
+                f"{src}{_key(key)}: "
+                f"unknown DLSConfig field{_hint(key, dict.fromkeys(names))} "
                 "(Model Zoo files put precision settings under trainer.init.precision)"
             )
         if key in ("mixed_precision", "log_loss_scale", "consecutive_hysteresis"):
@@ -275,10 +470,22 @@ def _read_flat(data: Mapping, src: str) -> DLSConfig:
         raise ConfigError(f"{src}{exc}") from None
 
 
-def config_from_params(data: dict[str, Any], *, source: str = "<dict>") -> DLSConfig:
+def _detect_rules(legacy: dict[str, Any]) -> ModelZooRules:
+    """Without a release: the newest, unless the file uses keys only releases <= 2.0 read."""
+    if "csconfig.use_cbfloat16" in legacy:
+        return ModelZooRules((1, 9))
+    if {"model.use_bfloat16", "model.precision_opt_level"} & legacy.keys():
+        return ModelZooRules((2, 0))
+    return ModelZooRules(_LATEST_RELEASE)
+
+
+def config_from_params(data: dict[str, Any], *, source: str = "<dict>",
+                       modelzoo_release: str | tuple[int, int] | None = None,
+                       modelzoo_model: str | None = None) -> DLSConfig:
     """Build a `DLSConfig` from a parsed Model Zoo params dict (current, legacy or flat layout).
 
-    ``source`` names the origin in error messages (usually the YAML file's path).
+    ``source`` names the origin in error messages (usually the YAML file's path);
+    ``modelzoo_release`` / ``modelzoo_model`` select the release's defaults (module docstring).
 
     Example:
         >>> cfg = config_from_params({"trainer": {"init": {"precision": {
@@ -288,8 +495,9 @@ def config_from_params(data: dict[str, Any], *, source: str = "<dict>") -> DLSCo
     """
     src = f"{source}: "
     if not isinstance(data, Mapping):
-        got = "nothing (empty document)" if data is None else type(data).__name__
+        got = "nothing (empty document)" if data is None else excerpt(data)
         raise ConfigError(f"{source}: the top level must be a mapping of settings, got {got}")
+    rules = None if modelzoo_release is None else modelzoo_rules(modelzoo_release, modelzoo_model)
     legacy_present = any(
         isinstance(data.get(s), Mapping) and any(k in data[s] for k in keys)
         for s, keys in _LEGACY_SECTIONS.items()
@@ -300,37 +508,138 @@ def config_from_params(data: dict[str, Any], *, source: str = "<dict>") -> DLSCo
                 f"{source}: precision settings found both under trainer.init.precision (current "
                 "layout) and under optimizer/model/runconfig (legacy layout); keep one layout"
             )
+        rules = rules or modelzoo_rules(None, modelzoo_model)
+        if not rules.has_trainer:
+            raise ConfigError(f"{source}: the trainer layout needs Model Zoo 2.3 or later "
+                              f"(modelzoo_release is {_name(rules)})")
         values = _read_current(data, src)
-        trainer = data["trainer"]
-        found = isinstance(trainer.get("init"), Mapping) and "precision" in trainer["init"]
-        return _build(values, src, "trainer.init.precision.", found=found)
+        return _build(values, src, "trainer.init.precision.", rules, {})
     if any(s in data for s in _LEGACY_SECTIONS):
-        values = _read_legacy(data, src)
-        return _build(values, src, "optimizer.", found=bool(values))
+        raw = _read_legacy(data, src)
+        if rules is None:
+            rules = _detect_rules(raw)
+            rules = ModelZooRules(rules.release, modelzoo_model)
+        extras = {}
+        if raw.get("runconfig.load_checkpoint_states") is not None:
+            extras["load_checkpoint_states"] = raw["runconfig.load_checkpoint_states"]
+        if raw.get("optimizer.log_summaries") is not None:
+            extras["log_summaries"] = raw["optimizer.log_summaries"]
+        precision_keys = {k for k in raw if k != "runconfig.load_checkpoint_states"}
+        values = _legacy_to_current(raw, src, rules) if precision_keys else None
+        return _build(values, src, "optimizer.", rules, extras)
     return _read_flat(data, src)
 
 
 # ---- YAML ---------------------------------------------------------------------------------------
+MAX_YAML_BYTES = 1 << 20
+"""Largest params.yaml read (Model Zoo's biggest config is about 20 kB)."""
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of mappings and sequences (Model Zoo configs nest fewer than 10 levels)."""
+MAX_YAML_NODES = 200_000
+"""Most nodes the document may expand to once aliases are followed (an alias bomb's guard)."""
+
+
 class _Loader:
-    """A PyYAML SafeLoader that also reads ``1e-4``/``2e15`` as floats (YAML 1.2 does; 1.1 does not)."""
+    """A PyYAML SafeLoader with bounds, no duplicate keys, and YAML 1.2 floats (``1e-4``)."""
 
     _cls: Any = None
 
     @classmethod
     def get(cls) -> Any:
         if cls._cls is None:
-            import yaml
-
-            class Loader(yaml.SafeLoader):
-                pass
-
-            Loader.add_implicit_resolver(
-                "tag:yaml.org,2002:float",
-                re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                list("-+0123456789"),
-            )
-            cls._cls = Loader
+            cls._cls = _make_loader()
         return cls._cls
+
+
+def _make_loader() -> Any:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        _depth = 0
+
+        def fetch_flow_collection_start(self, token_class: Any) -> None:
+            # The scanner keeps one possible simple key per flow level and rescans them all at
+            # every token: 5,000 nested "[" cost minutes before the composer sees a node.
+            if self.flow_level >= MAX_YAML_DEPTH:
+                raise yaml.scanner.ScannerError(None, None, f"nesting deeper than {MAX_YAML_DEPTH} levels",
+                                                self.get_mark())
+            super().fetch_flow_collection_start(token_class)
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            # Composition is recursive: bound the depth before Python's recursion limit, and
+            # weigh every node by the size it expands to, so that aliases of aliases (the
+            # "billion laughs") are refused before anything walks the tree.
+            if self._depth >= MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise yaml.YAMLError(f"nesting deeper than {MAX_YAML_DEPTH} levels (line {mark.line + 1})")
+            self._depth += 1
+            try:
+                node = super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+            if not hasattr(node, "dls_weight"):
+                if isinstance(node, yaml.MappingNode):
+                    weight = 1 + sum(k.dls_weight + v.dls_weight for k, v in node.value)
+                elif isinstance(node, yaml.SequenceNode):
+                    weight = 1 + sum(n.dls_weight for n in node.value)
+                else:
+                    weight = 1
+                if weight > MAX_YAML_NODES:
+                    raise yaml.YAMLError(f"aliases expand the document past {MAX_YAML_NODES} nodes "
+                                         f"(line {node.start_mark.line + 1})")
+                node.dls_weight = weight
+            return node
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            # Model Zoo's UniqueKeyLoader (common/utils/utils.py, 2.5+) refuses repeated keys;
+            # PyYAML alone keeps the last one silently.
+            if isinstance(node, yaml.MappingNode):
+                seen = set()
+                for key_node, _ in node.value:
+                    if isinstance(key_node, yaml.ScalarNode):
+                        key = (key_node.tag, key_node.value)
+                        if key in seen:
+                            raise yaml.constructor.ConstructorError(
+                                None, None, f"duplicate key {excerpt(key_node.value)}", key_node.start_mark)
+                        seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
+    return Loader
+
+
+def _read_bounded(path: str | Path) -> str:
+    """The text of a regular file of at most MAX_YAML_BYTES; never blocks on a FIFO or device."""
+    name = str(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{name}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot read: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{name}: is a directory, not a YAML file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{name}: not a regular file (a device, FIFO or socket); give a YAML file")
+    try:
+        # O_NONBLOCK: if the path was swapped for a FIFO after the stat, open does not wait.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot read: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ConfigError(f"{name}: not a regular file (a device, FIFO or socket); give a YAML file")
+        data = f.read(MAX_YAML_BYTES + 1)
+    if len(data) > MAX_YAML_BYTES:
+        raise ConfigError(f"{name}: larger than {MAX_YAML_BYTES} bytes; not a Model Zoo params file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{name}: cannot read: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def load_yaml(path: str | Path) -> Any:
@@ -338,29 +647,27 @@ def load_yaml(path: str | Path) -> Any:
     import yaml
 
     name = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{name}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{name}: is a directory, not a YAML file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{name}: cannot read: {exc}") from None
+    text = _read_bounded(path)
     try:
         return yaml.load(text, Loader=_Loader.get())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{name}: invalid YAML{where}: {problem}") from None
+        raise ConfigError(f"{name}: invalid YAML{where}: {problem[:200]}") from None
+    except (ValueError, RecursionError) as exc:
+        # e.g. an integer literal past Python's digit limit
+        raise ConfigError(f"{name}: invalid YAML: {str(exc).splitlines()[0][:200]}") from None
 
 
-def config_from_yaml(path: str | Path) -> DLSConfig:
+def config_from_yaml(path: str | Path, *, modelzoo_release: str | tuple[int, int] | None = None,
+                     modelzoo_model: str | None = None) -> DLSConfig:
     """Read the precision settings of a Model Zoo ``params.yaml`` (see the module docstring).
 
     Example:
-        >>> cfg = config_from_yaml("params.yaml")  # doctest: +SKIP
+        >>> cfg = config_from_yaml("params.yaml", modelzoo_release="2.10")  # doctest: +SKIP
         >>> cfg.loss_scale, cfg.fp16_type  # doctest: +SKIP
         ('dynamic', 'cbfloat16')
     """
-    return config_from_params(load_yaml(path), source=str(path))
+    return config_from_params(load_yaml(path), source=str(path), modelzoo_release=modelzoo_release,
+                              modelzoo_model=modelzoo_model)

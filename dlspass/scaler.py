@@ -38,21 +38,31 @@ gradients and parameters are handled through their local shards.
 The scale-floor signal (`ScaleFloorWarning`, or `ScaleFloorError` with
 ``on_scale_floor="raise"``) reads the floor counter lazily: in ``get_scale()``, in
 ``state_dict()`` and once every ``FLOOR_CHECK_EVERY`` updates - never once per step.
+
+`TorchGradScaler` is the other contract: torch.amp.GradScaler's, step for step (torch's own
+unscale helper and update kernel on this module's state, a host read in ``step`` as torch
+makes, torch's ``state_dict`` keys); docs/TORCH_AMP_DIFFERENCES.md lists where either class
+differs from torch.amp. Both validate checkpoints completely before restoring anything
+(`ScalerStateError`) and refuse scales float32 cannot hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
+import numbers
 import warnings
-from collections.abc import Iterable
+from collections import abc
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import distributed, scale_policy
-from .config import DLSConfig
-from .errors import DLSPassError
+from .config import FLOAT32_MAX, ConfigError, DLSConfig
+from .errors import DLSInputError, DLSPassError
 from .scale_policy import (
     STATE_DTYPES,
     STATE_FIELDS,
@@ -81,6 +91,89 @@ class ScaleFloorWarning(RuntimeWarning):
 
 class ScaleFloorError(DLSPassError, RuntimeError):
     """Raised instead of `ScaleFloorWarning` when ``on_scale_floor="raise"``."""
+
+
+class ScalerStateError(DLSInputError, ValueError):
+    """A scaler state_dict (or ``update(new_scale)``) holds a value the scaler cannot resume from.
+
+    The message names the key. ``load_state_dict`` checks every entry before it changes
+    anything, so after this error the scaler is exactly as it was.
+    """
+
+
+# The smallest positive float32 (a subnormal): a scale must survive the cast to float32, the
+# dtype every scale is kept in, as a finite number > 0 (1e39 would become inf, 1e-50 zero).
+FLOAT32_TINY = 2.0**-149
+_INT64_MAX = 2**63 - 1
+
+
+def _short(value: object) -> str:
+    """A bounded repr for error messages (a 10**1000 or a long string is cut)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"<a {type(value).__name__} too long to print>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _as_float32(value: float) -> float:
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+def _plain_number(key: str, value: object, error: type[Exception]) -> float | int:
+    """A Python number from an int/float (not bool) or a one-element real tensor."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise error(f"{key}: expected a number or a one-element real tensor, got a "
+                        f"{value.dtype} tensor of shape {tuple(value.shape)}")
+        value = value.detach().reshape(()).item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise error(f"{key}: expected a number, got {type(value).__name__}")
+    return value
+
+
+def checked_scale(key: str, value: object, error: type[Exception] = ScalerStateError) -> float:
+    """``value`` as a float that float32 holds as a finite number > 0, else ``error`` naming
+    ``key`` (NaN, inf, 0, negative, 1e39 -> inf, 1e-50 -> 0 are all refused)."""
+    v = _plain_number(key, value, error)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f) or f <= 0:
+        raise error(f"{key}: must be a finite number > 0, got {_short(v)}")
+    f32 = _as_float32(f)
+    if not math.isfinite(f32) or f32 == 0.0:
+        raise error(f"{key}: {_short(v)} does not fit float32, the dtype of the scale (it "
+                    f"would become {f32!r}); use a value in [{FLOAT32_TINY!r}, {FLOAT32_MAX!r}]")
+    return f
+
+
+def _checked_count(key: str, value: object, minimum: int = 0) -> int:
+    """A counter: an integer (an integral float is accepted) in ``[minimum, 2**63 - 1]``."""
+    v = _plain_number(key, value, ScalerStateError)
+    if isinstance(v, numbers.Integral):
+        n = int(v)
+    else:
+        f = float(v)
+        if not math.isfinite(f) or not f.is_integer():
+            raise ScalerStateError(f"{key}: expected an integer, got {_short(v)}")
+        n = int(f)
+    if not minimum <= n <= _INT64_MAX:
+        raise ScalerStateError(f"{key}: must be an integer in [{minimum}, 2**63 - 1], got "
+                               f"{_short(n)}")
+    return n
+
+
+def _checked_factor(key: str, value: object, *, growth: bool) -> float | int:
+    """A growth factor (finite, > 1) or a backoff factor (in (0, 1)), returned as given."""
+    v = _plain_number(key, value, ScalerStateError)
+    f = float(v)
+    ok = (math.isfinite(f) and f > 1.0) if growth else (0.0 < f < 1.0)
+    if not ok:
+        want = "a finite number > 1" if growth else "a number in (0, 1)"
+        raise ScalerStateError(f"{key}: must be {want}, got {_short(v)}")
+    return v
 
 
 def _walk_tensors(obj: Any) -> Iterable[Tensor]:
@@ -188,6 +281,7 @@ class GradScaler:
 
     def _setup(self, config: DLSConfig, device: torch.device | str | None,
                process_group: Any = None) -> None:
+        _check_float32_scales(config)
         self.config = config
         self.process_group = process_group
         self._cfg = config  # the active config: bfloat16 pass-through replaces it
@@ -337,12 +431,15 @@ class GradScaler:
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Tensor:
         """Unscale if not done yet, then step unless this optimizer's gradients overflowed.
 
-        Returns a 0-d bool tensor, True when the optimizer stepped (no host sync).
+        ``*args`` and ``**kwargs`` are forwarded to ``optimizer.step`` (a closure is refused
+        under dynamic scaling: it would recompute the gradients after they were checked).
+        Returns a 0-d bool tensor, True when the optimizer stepped (no host sync); the
+        optimizer's own return value is dropped (`TorchGradScaler.step` returns it).
         """
-        if "closure" in kwargs or args:
-            if self._cfg.dynamic:
-                raise RuntimeError("dlspass.GradScaler.step: closures are not supported with "
-                                   "dynamic loss scaling")
+        closure = kwargs.get("closure", args[0] if args and callable(args[0]) else None)
+        if closure is not None and self._cfg.dynamic:
+            raise RuntimeError("dlspass.GradScaler.step: closures are not supported with "
+                               "dynamic loss scaling")
         rec = self._record(optimizer)
         if rec["stage"] == _STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last "
@@ -355,9 +452,9 @@ class GradScaler:
             optimizer.step(*args, **kwargs)
             return ok
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            self._fused_step(optimizer, ok)
+            self._fused_step(optimizer, ok, args, kwargs)
         else:
-            self._masked_step(optimizer, ok)
+            self._masked_step(optimizer, ok, args, kwargs)
         return ok
 
     @staticmethod
@@ -388,14 +485,17 @@ class GradScaler:
         for st, k, v in changed:
             st[k] = v
 
-    def _fused_step(self, optimizer: torch.optim.Optimizer, ok: Tensor) -> None:
+    def _fused_step(self, optimizer: torch.optim.Optimizer, ok: Tensor, args: tuple,
+                    kwargs: dict) -> None:
         params = _params_with_grad(optimizer)
         before = self._state_keys(optimizer, params)
-        # Gradients are already unscaled (and clipped): grad_scale None, found_inf as a float.
-        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        # Gradients are already unscaled (and clipped), so only a grad_scale the user set on
+        # the optimizer is left for the kernel to divide by (torch.amp multiplies it into its
+        # own scale); found_inf as a float. Both attributes are removed afterwards, as torch does.
+        optimizer.grad_scale = getattr(optimizer, "grad_scale", None)  # type: ignore[attr-defined]
         optimizer.found_inf = (~ok).to(torch.float32)  # type: ignore[attr-defined]
         try:
-            optimizer.step()
+            optimizer.step(*args, **kwargs)
         finally:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
@@ -413,7 +513,8 @@ class GradScaler:
         torch._foreach_copy_(cached[1], live)
         return cached[1]
 
-    def _masked_step(self, optimizer: torch.optim.Optimizer, ok: Tensor) -> None:
+    def _masked_step(self, optimizer: torch.optim.Optimizer, ok: Tensor, args: tuple,
+                     kwargs: dict) -> None:
         params = _params_with_grad(optimizer)
         before = self._state_keys(optimizer, params)
         # DTensor parameters and state (FSDP2): snapshot and restore this rank's shards
@@ -427,7 +528,7 @@ class GradScaler:
                 else:
                     scalars.append((st, k, v))
         saved = self._snapshot(optimizer, live)
-        optimizer.step()
+        optimizer.step(*args, **kwargs)
         for new, old in zip(live, saved, strict=True):
             torch.where(ok.to(new.device), new, old, out=new)  # in place: exact on both branches
         self._drop_new_state(optimizer, params, before, scalars, ok)
@@ -483,6 +584,48 @@ class GradScaler:
             return torch.ones((), dtype=torch.float32, device=self.state.loss_scale.device)
         return self.state.loss_scale
 
+    def get_scale_tensor(self) -> Tensor:
+        """The scale as a 0-d float32 tensor, without a host sync (1.0 when disabled)."""
+        if not self._cfg.enabled:
+            return torch.ones((), dtype=torch.float32, device=self.state.loss_scale.device)
+        return self.state.loss_scale
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` clean iterations."""
+        v = self.config.growth_factor
+        return v if v is not None else self.config.growth
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1); raises `ConfigError` for an invalid value."""
+        self._replace_config(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale shrinks by on an overflow."""
+        v = self.config.backoff_factor
+        return v if v is not None else self.config.backoff
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)); raises `ConfigError` for an invalid value."""
+        self._replace_config(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """Clean iterations between two growths (cstorch: ``steps_per_increase``)."""
+        v = self.config.steps_per_increase
+        return v if v is not None else self.config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (a positive int); raises `ConfigError` for an invalid value."""
+        self._replace_config(steps_per_increase=new_interval)
+
+    def _replace_config(self, **changes: Any) -> None:
+        self._commit_config(dataclasses.replace(self.config, **changes))
+
+    def _commit_config(self, config: DLSConfig) -> None:
+        # the active config keeps a bfloat16 pass-through decided at run time
+        self.config = config
+        self._cfg = (config if self._cfg.fp16_type == config.fp16_type
+                     else dataclasses.replace(config, fp16_type=self._cfg.fp16_type))
+
     def get_non_clamped_scale(self) -> Tensor:
         """The scale before the floor clamp (cstorch): below ``min_loss_scale`` at the floor."""
         return self.state.non_clamped_scale
@@ -502,91 +645,172 @@ class GradScaler:
 
     # ---- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Tensors and plain values only (``torch.load(weights_only=True)`` loads it)."""
+        """Tensors and plain values only (``torch.load(weights_only=True)`` loads it).
+
+        A dynamic scaler also writes its effective ``growth_factor``, ``backoff_factor`` and
+        ``growth_interval``, which `load_state_dict` restores.
+        """
         self._check_floor()
         cfg = {k: v for k, v in self.config.to_dict().items() if k != "extras"}
         if self.config.dynamic:
             out: dict[str, Any] = {f: getattr(self.state, f).detach().clone() for f in STATE_FIELDS}
+            out["growth_factor"] = self.get_growth_factor()
+            out["backoff_factor"] = self.get_backoff_factor()
+            out["growth_interval"] = self.get_growth_interval()
         else:
             out = {"loss_scale": self.state.loss_scale.detach().clone()}
         out["format_version"] = FORMAT_VERSION
         out["config"] = cfg
         return out
 
-    def _from_torch_amp(self, sd: dict[str, Any]) -> dict[str, Any]:
-        if self.config.policy != "torch":
-            raise ValueError("load_state_dict: this is a torch.amp.GradScaler state_dict; it "
-                             "loads into policy='torch' (dlspass.TorchGradScaler) only")
-        cfg = dataclasses.replace(
-            self.config, growth_factor=float(sd["growth_factor"]),
-            backoff_factor=float(sd["backoff_factor"]),
-            steps_per_increase=int(sd["growth_interval"]))
-        self.config = cfg
-        self._cfg = cfg if self._cfg.fp16_type == cfg.fp16_type else dataclasses.replace(
-            cfg, fp16_type=self._cfg.fp16_type)
-        return {"loss_scale": sd["scale"], "steps_since_rescale": sd["_growth_tracker"],
-                "overflows_since_rescale": 0, "num_skipped_steps": 0}
-
-    def load_state_dict(self, state_dict: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any] | None) -> None:
         """Restore a checkpoint; ``None``/``{}`` restarts from the configuration.
 
         Accepts this class's own dicts, cstorch's flattened ``grad_scaler.*`` keys, a nested
         ``{"grad_scaler": {...}}`` and (policy ``torch``) a torch.amp.GradScaler state_dict.
+        The scale, the counters and the growth factor, backoff factor and interval are
+        restored. Every entry is checked first (a scale float32 holds as a finite number > 0,
+        counters non-negative integers, valid factors): a bad one raises `ScalerStateError`
+        naming it and the scaler is left exactly as it was.
         """
-        device = self.state.loss_scale.device
-        self._per_opt = {}
-        if not state_dict:
+        if state_dict is None or (isinstance(state_dict, Mapping) and not state_dict):
+            device = self.state.loss_scale.device
+            self._per_opt = {}
             self.state = init_state(self.config, device)
             self._found_inf = torch.zeros((), dtype=torch.bool, device=device)
             return
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        sd = dict(state_dict)
-        if isinstance(sd.get("grad_scaler"), dict):
-            sd = dict(sd["grad_scaler"])
-        sd = {k[len("grad_scaler."):] if k.startswith("grad_scaler.") else k: v
-              for k, v in sd.items()}
+        self._install(*self._plan_load(state_dict))
+
+    def _install(self, config: DLSConfig, state: ScalerState | None) -> None:
+        """The only place a checkpoint changes the scaler: after every entry was checked."""
+        self._per_opt = {}
+        self._commit_config(config)
+        if state is not None:
+            self.state = state
+            self._floor_reported = False
+
+    def _plan_load(self, state_dict: object) -> tuple[DLSConfig, ScalerState | None]:
+        """Check every entry of ``state_dict``; return the config and state to install."""
+        sd = _flatten_checkpoint(state_dict)
         if "scale" in sd and "_growth_tracker" in sd:
-            sd = self._from_torch_amp(sd)
+            return self._plan_torch_amp(sd)
         version = sd.get("format_version", FORMAT_VERSION)
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise ValueError(f"load_state_dict: format_version {version!r} is newer than this "
-                             f"dlspass understands ({FORMAT_VERSION})")
+        if isinstance(version, bool) or not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ScalerStateError(f"format_version: {_short(version)} is not a format this "
+                                   f"dlspass understands (newest: {FORMAT_VERSION})")
+        ck_cfg = sd.get("config")
+        if ck_cfg is None:
+            ck_cfg = {}
+        if not isinstance(ck_cfg, Mapping):
+            raise ScalerStateError(f"config: expected a dict, got {type(ck_cfg).__name__}")
+        config = self._config_with_factors(sd, ck_cfg)
+        vals: dict[str, float | int] = {
+            f: (checked_scale(f, sd[f]) if STATE_DTYPES[f] == torch.float32
+                else _checked_count(f, sd[f]))
+            for f in STATE_FIELDS if f in sd
+        }
         if not self.config.dynamic:
-            return  # a static/disabled scaler's scale is its configuration
-        ck_cfg = sd.get("config") or {}
+            return self.config, None  # a static/disabled scaler's scale is its configuration
         missing = [k for k in REQUIRED_DYNAMIC_KEYS if k not in sd]
-        static = (isinstance(ck_cfg, dict) and "loss_scale" in ck_cfg
-                  and ck_cfg["loss_scale"] != "dynamic")
+        static = "loss_scale" in ck_cfg and ck_cfg["loss_scale"] != "dynamic"
         if static or (missing and "loss_scale" in sd):
-            raise ValueError(
+            raise ScalerStateError(
                 f"load_state_dict: the checkpoint holds a static loss scale (no "
                 f"{', '.join(missing) or 'dynamic state'}); it cannot resume a dynamic scaler. "
                 f"Pass load_state_dict({{}}) to restart DLS from the configuration instead")
         if missing:
-            raise ValueError(f"load_state_dict: missing key(s) {', '.join(missing)}")
-        vals = {}
-        for f in STATE_FIELDS:
-            if f in sd:
-                v = sd[f]
-            elif f == "hysteresis":
-                v = self.config.hysteresis_steps
-            elif f == "non_clamped_scale":
-                v = sd["loss_scale"]
+            raise ScalerStateError(f"load_state_dict: missing key(s) {', '.join(missing)}")
+        vals.setdefault("hysteresis", config.hysteresis_steps)
+        vals.setdefault("non_clamped_scale", vals["loss_scale"])
+        return config, self._state_from(vals)
+
+    def _state_from(self, vals: Mapping[str, float | int]) -> ScalerState:
+        device = self.state.loss_scale.device
+        return ScalerState(**{f: torch.tensor(vals.get(f, 0), dtype=STATE_DTYPES[f], device=device)
+                              for f in STATE_FIELDS})
+
+    def _config_with_factors(self, sd: Mapping[str, Any], ck_cfg: Mapping[str, Any]) -> DLSConfig:
+        """The config with the checkpoint's growth factor, backoff factor and interval."""
+        changes: dict[str, Any] = {}
+        for key, field in (("growth_factor", "growth_factor"), ("backoff_factor", "backoff_factor"),
+                           ("growth_interval", "steps_per_increase")):
+            if key in sd:
+                name, raw = key, sd[key]
+            elif ck_cfg.get(field) is not None:
+                name, raw = f"config.{field}", ck_cfg[field]
             else:
-                v = 0
-            t = torch.as_tensor(v).detach().to(device=device, dtype=STATE_DTYPES[f]).reshape(())
-            vals[f] = t.clone()
-        self.state = ScalerState(**vals)
-        self._floor_reported = False
+                continue
+            if field == "steps_per_increase":
+                changes[field] = _checked_count(name, raw, minimum=1)
+            else:
+                changes[field] = _checked_factor(name, raw, growth=field == "growth_factor")
+        if not changes:
+            return self.config
+        try:
+            return dataclasses.replace(self.config, **changes)
+        except ConfigError as e:  # pragma: no cover - the checks above are DLSConfig's
+            raise ScalerStateError(str(e)) from e
+
+    def _plan_torch_amp(self, sd: Mapping[str, Any]) -> tuple[DLSConfig, ScalerState | None]:
+        if self.config.policy != "torch":
+            raise ScalerStateError("load_state_dict: this is a torch.amp.GradScaler state_dict; "
+                                   "it loads into policy='torch' (dlspass.TorchGradScaler) only")
+        missing = [k for k in TORCH_AMP_KEYS if k not in sd]
+        if missing:
+            raise ScalerStateError(f"load_state_dict: missing key(s) {', '.join(missing)}")
+        scale = checked_scale("scale", sd["scale"])
+        tracker = _checked_count("_growth_tracker", sd["_growth_tracker"])
+        config = self._config_with_factors(sd, {})
+        if not self.config.dynamic:
+            return self.config, None
+        return config, self._state_from({
+            "loss_scale": scale, "non_clamped_scale": scale, "steps_since_rescale": tracker,
+            "hysteresis": config.hysteresis_steps})
 
 
-class TorchGradScaler(GradScaler):
-    """torch.amp.GradScaler's signature and defaults, running the ``torch`` preset.
+def _flatten_checkpoint(state_dict: object) -> dict[Any, Any]:
+    """The scaler entries of a checkpoint: nested ``grad_scaler`` and ``grad_scaler.*`` keys."""
+    if not isinstance(state_dict, Mapping):
+        raise ScalerStateError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
+    sd = dict(state_dict)
+    if isinstance(sd.get("grad_scaler"), Mapping):
+        sd = dict(sd["grad_scaler"])
+    prefix = "grad_scaler."
+    return {k[len(prefix):] if isinstance(k, str) and k.startswith(prefix) else k: v
+            for k, v in sd.items()}
 
-    Differences from torch: the scale never goes below 2**-14 (so 1/scale stays finite) and
-    overflow is tested on the unscaled gradients. ``enabled=False`` passes straight through.
-    As torch, ``device="cuda"`` without CUDA warns and disables the scaler.
+
+def _check_float32_scales(config: DLSConfig) -> None:
+    """Refuse scales float32 cannot hold (`DLSConfig` checks them in float64): 1e39 -> inf."""
+    ls = config.loss_scale
+    if isinstance(ls, numbers.Real) and not isinstance(ls, bool):
+        checked_scale("loss_scale", ls, ConfigError)
+    for key in ("initial_loss_scale", "min_loss_scale", "max_loss_scale"):
+        v = getattr(config, key)
+        if v is not None:
+            checked_scale(key, v, ConfigError)
+
+
+class TorchGradScaler(GradScaler, torch.amp.GradScaler):
+    """``torch.amp.GradScaler``, step for step, on dlspass's scaler state.
+
+    The signature, defaults, return values, errors, ``state_dict`` keys and the scale
+    trajectory are torch's: unscaling runs torch's own helper and kernel (the reciprocal in
+    float64), the update runs ``torch._amp_update_scale_`` (no floor, a growth that would
+    overflow float32 is refused). ``get_scale()`` returns a Python float, ``step()`` the
+    optimizer's return value (None when skipped, after one host read of the overflow flag, as
+    torch), fused optimizers get torch's ``grad_scale``/``found_inf`` protocol (or the scaler
+    itself when their ``step`` takes ``grad_scaler=``), and a ``state_dict()`` loads into
+    ``torch.amp.GradScaler`` and back. It is a ``torch.amp.GradScaler`` for ``isinstance``.
+
+    Added on top: the sync-free ``get_scale_tensor()``, ``found_inf`` and ``stepped(opt)``
+    (for `hold_scheduler_on_skip`); checkpoints checked before anything is restored
+    (`ScalerStateError`); agreement over ``process_group`` under ``torch.distributed``; and
+    one guard: below a scale of 1, where unscaling can turn finite gradients into inf, a
+    step whose unscaled gradients are not finite is skipped with a warning instead of writing
+    inf/NaN into the parameters (the scale trajectory stays torch's). As torch,
+    ``device="cuda"`` without CUDA warns and disables the scaler.
+    docs/TORCH_AMP_DIFFERENCES.md lists every difference and the test that shows it.
     """
 
     def __init__(
@@ -604,13 +828,296 @@ class TorchGradScaler(GradScaler):
             warnings.warn("dlspass.TorchGradScaler is enabled, but CUDA is not available. "
                           "Disabling.", UserWarning, stacklevel=2)
             enabled = False
+        if enabled:  # torch's own checks, with its exception type
+            if growth_factor <= 1.0:
+                raise AssertionError("The growth factor must be > 1.0.")
+            if backoff_factor >= 1.0:
+                raise AssertionError("The backoff factor must be < 1.0.")
+        checked_scale("init_scale", init_scale, ConfigError)
         self._amp_device = device
+        self._amp_initialised = False  # torch sets its scale up in the first scale()
+        self._unscale_guard_warned = False
         cfg = DLSConfig(
-            loss_scale="dynamic" if enabled else None, initial_loss_scale=float(init_scale),
+            loss_scale="dynamic" if enabled else None, initial_loss_scale=init_scale,
             steps_per_increase=growth_interval, growth_factor=growth_factor,
             backoff_factor=backoff_factor, policy="torch",
+            min_loss_scale=FLOAT32_TINY,  # no floor: torch lets the scale decay
         )
         self._setup(cfg, None, process_group)
+
+    # ---- torch.amp's lazy set-up and the private protocol fused optimizers use -------------
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        if not self._amp_initialised:
+            device = torch.device(dev)
+            if self._lazy_device and self.state.loss_scale.device != device:
+                self._move_state(device)
+            self._amp_initialised = True
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
+        if not self._amp_initialised:
+            raise AssertionError(
+                f"Attempted {funcname} but _scale is None.  This may indicate your script did "
+                f"not use scaler.scale(loss or outputs) earlier in the iteration.")
+        return self.state.loss_scale, self.state.steps_since_rescale
+
+    def _get_scale_async(self) -> Tensor | None:
+        return self.state.loss_scale if self._amp_initialised else None
+
+    def _get_growth_tracker(self) -> int:
+        return int(self.state.steps_since_rescale) if self.is_enabled() else 0
+
+    def _record(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self._per_opt.setdefault(id(optimizer), {
+            "stage": None, "isfinite": None, "found_inf_per_device": {}, "guarded": False})
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        dummy_inv_scale = torch.full((), 1.0, dtype=torch.float32, device=scale.device)
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        rec = self._record(optimizer)
+        rec["found_inf_per_device"] = self._unscale_grads_(optimizer, dummy_inv_scale, found_inf,
+                                                           True)
+        return rec["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
+        return self._record(optimizer)["found_inf_per_device"]
+
+    # ---- torch.amp API ------------------------------------------------------------------------
+    def scale(self, outputs: Any) -> Any:
+        """``outputs`` times the scale: a tensor, or an iterable of them (as torch.amp)."""
+        if not self.is_enabled():
+            return outputs
+        if isinstance(outputs, Tensor):
+            self._lazy_init_scale_growth_tracker(outputs.device)
+            return outputs * self.state.loss_scale.to(device=outputs.device, non_blocking=True)
+        stash: list[Tensor] = []
+
+        def apply_scale(val: Any) -> Any:
+            if isinstance(val, Tensor):
+                if not stash:
+                    self._lazy_init_scale_growth_tracker(val.device)
+                    stash.append(self.state.loss_scale)
+                return val * stash[0].to(device=val.device, non_blocking=True)
+            if isinstance(val, abc.Iterable):
+                iterable = map(apply_scale, val)
+                if isinstance(val, (list, tuple)):
+                    return type(val)(iterable)
+                return iterable
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply_scale(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place and record overflows.
+
+        As torch.amp: float16 gradients raise ``ValueError``, sparse COO gradients have their
+        values unscaled, and no host sync happens here.
+        """
+        if not self.is_enabled():
+            return
+        self._check_scale_growth_tracker("unscale_")
+        rec = self._record(optimizer)
+        if rec["stage"] == _UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the "
+                               "last update().")
+        if rec["stage"] == _STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        rec["found_inf_per_device"] = self._found_infs(optimizer)
+        rec["stage"] = _UNSCALED
+
+    def _found_infs(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
+        scale = self.state.loss_scale
+        flag = self.backend_found_finite
+        if flag is not None:
+            # a dlspass.make_backend graph already unscaled and checked these gradients
+            self.backend_found_finite = None
+            return {scale.device: (~flag).to(device=scale.device, dtype=torch.float32)}
+        group = distributed.resolve_group(self.process_group)
+        if group is not None:  # a collective: the flag every rank shares
+            isfinite = self._unscale_distributed(optimizer, group)
+            return {scale.device: (~isfinite).to(device=scale.device, dtype=torch.float32)}
+        # torch's arithmetic: the reciprocal in float64, then torch's own unscale helper
+        inv_scale = scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        return self._unscale_grads_(optimizer, inv_scale, found_inf, False)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale if not done yet, then ``optimizer.step(*args, **kwargs)`` unless an overflow
+        was found; returns what ``optimizer.step`` returned (None when skipped)."""
+        if not self.is_enabled():
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        rec = self._record(optimizer)
+        if rec["stage"] == _STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._amp_scaling_step(optimizer, rec, args, kwargs)
+        if rec["stage"] is None:
+            self.unscale_(optimizer)
+        if not rec["found_inf_per_device"]:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        retval = self._maybe_opt_step(optimizer, rec, *args, **kwargs)
+        rec["stage"] = _STEPPED
+        return retval
+
+    def _amp_scaling_step(self, optimizer: torch.optim.Optimizer, rec: dict[str, Any],
+                          args: tuple, kwargs: dict) -> Any:
+        """torch's contract with optimizers that handle the scale themselves (fused ones)."""
+        kwargs_ = dict(kwargs)
+        has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
+        if has_grad_scaler_kwarg:
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
+                "directly.", FutureWarning, stacklevel=3)
+            kwargs_["grad_scaler"] = self
+        else:
+            if rec["stage"] is None:
+                self._check_inf_per_device(optimizer)
+            scale = self.state.loss_scale
+            found_inf = sum(t.to(scale.device, non_blocking=True)
+                            for t in rec["found_inf_per_device"].values())
+            # a grad_scale the user set on the optimizer is multiplied in, as torch does
+            optimizer.grad_scale = (  # type: ignore[attr-defined]
+                getattr(optimizer, "grad_scale", None) if rec["stage"] == _UNSCALED
+                else scale * getattr(optimizer, "grad_scale", 1))
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        retval = optimizer.step(*args, **kwargs_)
+        rec["stage"] = _STEPPED
+        if not has_grad_scaler_kwarg:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        found = list(rec["found_inf_per_device"].values())
+        if found:
+            rec["isfinite"] = torch.stack([f.to(self.state.loss_scale.device) for f in found]
+                                          ).sum() == 0
+        return retval
+
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
+                        *args: Any, **kwargs: Any) -> Any:
+        scale = self.state.loss_scale
+        found = torch.stack([t.to(scale.device).reshape(()).float()
+                             for t in optimizer_state["found_inf_per_device"].values()]).sum()
+        found_any, current = torch.stack([found, scale]).tolist()  # the one host read, as torch
+        ok = not found_any
+        if ok and current < 1.0 and not _grads_finite(optimizer):
+            # only below a scale of 1 can unscaling itself overflow a finite gradient
+            ok = False
+            optimizer_state["guarded"] = True
+            if not self._unscale_guard_warned:
+                self._unscale_guard_warned = True
+                warnings.warn(
+                    f"dlspass.TorchGradScaler: the gradients overflowed when divided by the "
+                    f"scale {current!r} (below 1); the step is skipped so that no inf/NaN "
+                    f"reaches the parameters (torch.amp.GradScaler would take it). The scale "
+                    f"follows torch's rule unchanged", RuntimeWarning, stacklevel=3)
+        optimizer_state["isfinite"] = torch.tensor(ok, device=scale.device)
+        return optimizer.step(*args, **kwargs) if ok else None
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """torch.amp's update: back off on an overflow, grow after ``growth_interval`` clean
+        iterations (``torch._amp_update_scale_``), or take ``new_scale`` (checked: a finite
+        number > 0 that float32 holds, else `ScalerStateError`)."""
+        if not self.is_enabled():
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        records = self._per_opt
+        found_infs = [t.to(device=scale.device, non_blocking=True)
+                      for r in records.values() for t in r["found_inf_per_device"].values()]
+        if new_scale is not None:
+            value = self._checked_new_scale(new_scale, scale)
+            state = self.state._replace(loss_scale=value, non_clamped_scale=value.clone())
+        else:
+            if not found_infs:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            found = found_infs[0].clone()
+            for f in found_infs[1:]:
+                found += f
+            new_value, tracker32 = scale.clone(), tracker.to(torch.int32)
+            torch._amp_update_scale_(new_value, tracker32, found, self._cfg.growth,
+                                     self._cfg.backoff, self._cfg.growth_interval)
+            state = self.state._replace(loss_scale=new_value, non_clamped_scale=new_value.clone(),
+                                        steps_since_rescale=tracker32.to(torch.int64))
+        overflow = (torch.stack([f.reshape(()) for f in found_infs]).sum() > 0 if found_infs
+                    else torch.zeros((), dtype=torch.bool, device=scale.device))
+        skipped = overflow | any(r["guarded"] for r in records.values())
+        self.state = state._replace(
+            num_skipped_steps=state.num_skipped_steps + skipped.to(torch.int64))
+        self._found_inf = overflow
+        self._last_stepped = {k: r["isfinite"] for k, r in records.items()
+                              if r["stage"] == _STEPPED and r["isfinite"] is not None}
+        self._per_opt = {}
+        self._count_update()
+
+    def _checked_new_scale(self, new_scale: float | Tensor, scale: Tensor) -> Tensor:
+        if isinstance(new_scale, float):
+            return torch.full((), checked_scale("new_scale", new_scale), dtype=torch.float32,
+                              device=scale.device)
+        reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                  "torch.FloatTensor with requires_grad=False.")
+        if new_scale.device.type != self._amp_device:
+            raise AssertionError(reason)
+        if new_scale.numel() != 1:
+            raise AssertionError(reason)
+        if new_scale.requires_grad is True:
+            raise AssertionError(reason)
+        checked_scale("new_scale", new_scale)  # one host read, on this rare call
+        return scale.clone().copy_(new_scale)
+
+    def get_scale(self) -> float:  # type: ignore[override]
+        """The current scale as a Python float (one host read; 1.0 when disabled)."""
+        if not self.is_enabled():
+            return 1.0
+        return self.state.loss_scale.item()
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.amp's five entries (``{}`` when disabled): loads into torch.amp.GradScaler."""
+        if not self.is_enabled():
+            return {}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self.get_growth_factor(),
+            "backoff_factor": self.get_backoff_factor(),
+            "growth_interval": self.get_growth_interval(),
+            "_growth_tracker": self._get_growth_tracker(),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        """Load torch.amp's state_dict (or a `GradScaler` one); a no-op when disabled.
+
+        An empty dict raises ``RuntimeError`` as torch does; a bad entry `ScalerStateError`,
+        before anything changes.
+        """
+        if not self.is_enabled():
+            return
+        if isinstance(state_dict, Mapping) and len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        self._install(*self._plan_load(state_dict))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self.is_enabled():
+            if self._per_opt:
+                raise AssertionError("A GradScaler instance may only be pickled at the beginning "
+                                     "of an iteration, or at the end after scaler.update().")
+            state["_amp_initialised"] = False  # as torch: set up again by the next scale()
+        state["_buffers"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every gradient of ``optimizer`` is finite (a host read)."""
+    grads = [p.grad._values() if p.grad.is_sparse else p.grad
+             for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return bool(scale_policy.all_finite(grads)) if grads else True
 
 
 class HeldScheduler:

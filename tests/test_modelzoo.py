@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dlspass.config import ConfigError, DLSConfig
 from dlspass.modelzoo import config_from_params, config_from_yaml
@@ -73,18 +76,29 @@ def test_absent_loss_scaling_factor_means_no_scaling():
     assert cfg.init_scale == 1.0
 
 
-def test_absent_fp16_type_is_float16_and_enabled_defaults_on():
-    cfg = config_from_params(_current(loss_scaling_factor="dynamic"))
+def test_absent_fp16_type_is_float16_in_2_3_and_enabled_defaults_on():
+    # MixedPrecision(fp16_type="float16") in trainer/callbacks/precision.py of Release_2.3.0.
+    cfg = config_from_params(_current(loss_scaling_factor="dynamic"), modelzoo_release="2.3")
     assert cfg.fp16_type == "float16" and cfg.mixed_precision is True and cfg.dynamic
 
 
+def test_absent_fp16_type_is_bfloat16_since_2_4_and_dls_is_dropped_with_a_warning():
+    # MixedPrecision(fp16_type="bfloat16") from Release_2.4.0 on; setup() drops the scaler.
+    for release in ("2.4", "Release_2.10.0", None):
+        with pytest.warns(UserWarning, match="'dynamic' is dropped: the half format is bfloat16"):
+            cfg = config_from_params(_current(loss_scaling_factor="dynamic"), modelzoo_release=release)
+        assert cfg.fp16_type == "bfloat16" and cfg.mixed_precision is True
+        assert not cfg.dynamic and not cfg.enabled and cfg.init_scale == 1.0
+
+
 def test_static_scale():
-    cfg = config_from_params(_current(loss_scaling_factor=128))
+    cfg = config_from_params(_current(loss_scaling_factor=128), modelzoo_release="2.3")
     assert cfg.loss_scale == 128.0 and cfg.enabled and not cfg.dynamic and cfg.init_scale == 128.0
 
 
 def test_bfloat16_needs_no_scaling_and_is_accepted():
-    cfg = config_from_params(_current(fp16_type="bfloat16", loss_scaling_factor="dynamic"))
+    with pytest.warns(UserWarning, match=r"'dynamic' is dropped: the half format is bfloat16, which"):
+        cfg = config_from_params(_current(fp16_type="bfloat16", loss_scaling_factor="dynamic"))
     assert cfg.fp16_type == "bfloat16" and not cfg.enabled and not cfg.dynamic
     cfg = config_from_params(_current(fp16_type="bfloat16"))
     assert not cfg.enabled
@@ -96,8 +110,14 @@ def test_cbfloat16_disabled_mixed_precision_needs_no_dynamic():
 
 
 def test_log_loss_scale_null_follows_dynamic():
-    assert config_from_params(_current(loss_scaling_factor="dynamic", log_loss_scale=None)).log_loss_scale
-    assert not config_from_params(_current(loss_scaling_factor=8.0, log_loss_scale=None)).log_loss_scale
+    # MixedPrecision of Release_2.5.0 and later: None means "log when dynamic".
+    assert config_from_params(_current(fp16_type="float16", loss_scaling_factor="dynamic",
+                                       log_loss_scale=None)).log_loss_scale
+    assert not config_from_params(_current(fp16_type="float16", loss_scaling_factor=8.0,
+                                           log_loss_scale=None)).log_loss_scale
+    # Releases 2.3 and 2.4 keep log_loss_scale=False unless the file says true.
+    assert not config_from_params(_current(fp16_type="float16", loss_scaling_factor="dynamic"),
+                                  modelzoo_release="2.4").log_loss_scale
 
 
 def test_null_loss_scaling_factor():
@@ -109,9 +129,12 @@ def test_no_precision_section_is_fp32_without_scaling():
     for data in ({"trainer": {"init": {"model": {"name": "gpt2"}}}}, {"trainer": {"fit": {}}}):
         cfg = config_from_params(data)
         assert cfg.mixed_precision is False and cfg.loss_scale is None and not cfg.enabled
-    # An empty `precision:` section is present: Model Zoo defaults (on, float16, factor 1.0).
+    # `precision: null` is no Precision callback at all (trainer/validate.py: Optional, None).
     cfg = config_from_params({"trainer": {"init": {"precision": None}}})
-    assert cfg.mixed_precision is True and cfg.loss_scale == 1.0
+    assert cfg.mixed_precision is False and cfg.loss_scale is None and not cfg.enabled
+    # An empty `precision: {}` section is MixedPrecision() with its defaults (on, factor 1.0).
+    cfg = config_from_params({"trainer": {"init": {"precision": {}}}})
+    assert cfg.mixed_precision is True and cfg.loss_scale == 1.0 and cfg.fp16_type == "bfloat16"
 
 
 # ---- legacy layout ------------------------------------------------------------------------------
@@ -120,7 +143,7 @@ def test_legacy_layout():
     assert cfg == DLSConfig(
         loss_scale="dynamic", fp16_type="cbfloat16", mixed_precision=True,
         initial_loss_scale=2.0**20, steps_per_increase=100, min_loss_scale=1.0,
-        max_gradient_norm=1.0,
+        max_gradient_norm=1.0, log_loss_scale=True,
     )
     assert cfg.extras == {
         "precision_opt_level": 1,
@@ -141,7 +164,8 @@ def test_legacy_defaults_and_list_of_states():
 
 
 def test_legacy_use_bfloat16():
-    cfg = config_from_params({"model": {"use_bfloat16": True}, "optimizer": {"loss_scaling_factor": "dynamic"}})
+    with pytest.warns(UserWarning, match="is dropped"):
+        cfg = config_from_params({"model": {"use_bfloat16": True}, "optimizer": {"loss_scaling_factor": "dynamic"}})
     assert cfg.fp16_type == "bfloat16" and not cfg.enabled
     msg = _err({"model": {"use_bfloat16": True, "fp16_type": "cbfloat16"},
                 "optimizer": {"loss_scaling_factor": "dynamic"}})
@@ -207,7 +231,7 @@ def test_typo_value_error_names_file_and_key():
         ({"zzz": 1}, "zzz: unknown precision key; known keys: enabled, fp16_type"),
         ({"fp16_type": "cbfloat16", "loss_scaling_factor": 1.0}, "trainer.init.precision.loss_scaling_factor: cbfloat16 requires loss_scaling_factor: dynamic (got 1.0)"),
         ({"fp16_type": "cbfloat16"}, "cbfloat16 requires loss_scaling_factor: dynamic (absent means 1.0)"),
-        ({"loss_scaling_factor": "dynamic", "initial_loss_scale": 8.0, "min_loss_scale": 16.0},
+        ({"fp16_type": "float16", "loss_scaling_factor": "dynamic", "initial_loss_scale": 8.0, "min_loss_scale": 16.0},
          "trainer.init.precision.initial_loss_scale: 8.0 is outside [trainer.init.precision.min_loss_scale"),
         ({"min_loss_scale": 4.0, "max_loss_scale": 2.0}, "trainer.init.precision.min_loss_scale (4.0) is greater than"),
     ],
@@ -285,3 +309,187 @@ def test_config_error_is_value_error_and_from_dict_source():
         DLSConfig.from_dict(_current(fp16_type="x"), source="cfg")
     with pytest.raises(ConfigError, match="^<dict>: the top level must be a mapping"):
         DLSConfig.from_dict([1])  # type: ignore[arg-type]
+
+
+# ---- real Model Zoo configs ---------------------------------------------------------------------
+# tests/data/modelzoo holds unmodified params.yaml files of Cerebras Model Zoo releases R_1.6.0 ..
+# Release_2.10.0 (Apache-2.0), read from the public index at the commits MANIFEST.yaml names; the
+# expected values there come from each release's own code (the `sources` of every entry).
+MODELZOO = DATA / "modelzoo"
+MANIFEST = yaml.safe_load((MODELZOO / "MANIFEST.yaml").read_text(encoding="utf-8"))
+CASES = [(entry, release) for entry in MANIFEST["files"] for release in entry["releases"]]
+
+
+def _git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def test_manifest_covers_enough_real_configs():
+    files = MANIFEST["files"]
+    releases = {release for entry in files for release in entry["releases"]}
+    assert len(files) >= 40 and len(releases) >= 8
+    assert {entry["layout"] for entry in files} == {"current", "legacy"}
+    assert MANIFEST["license"] == "Apache-2.0"
+    on_disk = {p.relative_to(MODELZOO).as_posix() for p in MODELZOO.rglob("*.yaml")} - {"MANIFEST.yaml"}
+    assert on_disk == {entry["file"] for entry in files}
+
+
+@pytest.mark.parametrize("entry", MANIFEST["files"], ids=lambda e: e["file"])
+def test_real_config_is_the_indexed_file(entry):
+    # The file is byte-identical to the blob of the public repository at the recorded commit.
+    data = (MODELZOO / entry["file"]).read_bytes()
+    assert _git_blob_id(data) == entry["origin"]["blob"]
+    assert entry["origin"]["repo"] == "Cerebras/modelzoo" and len(entry["origin"]["commit"]) == 40
+    assert entry["release"] in entry["releases"] and set(entry["sources"]) <= set(entry["expected"])
+
+
+@pytest.mark.parametrize(("entry", "release"), CASES, ids=[f"{e['file']}@{r}" for e, r in CASES])
+def test_real_config_matches_what_its_release_does(entry, release):
+    exp = entry["expected"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = config_from_yaml(MODELZOO / entry["file"], modelzoo_release=release, modelzoo_model=entry["model"])
+    dropped = [w for w in caught if "is dropped: the half format is bfloat16" in str(w.message)]
+    assert len(dropped) == (1 if exp.get("dls_dropped_for_bfloat16") else 0)
+    assert len(caught) == len(dropped)
+    assert cfg.mixed_precision is exp["mixed_precision"]
+    if "fp16_type" in exp:
+        assert cfg.fp16_type == exp["fp16_type"]
+    assert cfg.log_loss_scale is exp.get("log_loss_scale", False)
+    assert cfg.max_gradient_norm == exp.get("max_gradient_norm")
+    assert cfg.extras.get("precision_opt_level") == exp.get("precision_opt_level")
+    if exp["scaler"] == "none":
+        assert not cfg.enabled and not cfg.dynamic and cfg.init_scale == 1.0
+    elif exp["scaler"] == "static":
+        assert cfg.enabled and not cfg.dynamic and cfg.init_scale == exp["init_scale"]
+    else:
+        assert cfg.dynamic
+        assert (cfg.init_scale, cfg.max_scale, cfg.min_scale, cfg.growth_interval) == (
+            exp["init_scale"], exp["max_scale"], exp["min_scale"], exp["steps_per_increase"])
+
+
+def test_real_configs_without_a_release_read_as_the_newest_or_a_2_0_file():
+    # gemma2 (2.10, no fp16_type): bfloat16 without scaling, with a warning, as Model Zoo 2.10 does.
+    with pytest.warns(UserWarning, match="is dropped"):
+        cfg = DLSConfig.from_yaml(str(MODELZOO / "Release_2.10.0/gemma2/params_gemma2_27b_msl8k.yaml"))
+    assert cfg.fp16_type == "bfloat16" and not cfg.enabled and cfg.log_loss_scale is True
+    # A file with model.use_bfloat16 is read with the rules of 2.0, the last release that reads it.
+    cfg = DLSConfig.from_yaml(str(MODELZOO / "Release_2.0.2/btlm/params_btlm_2p7b_2k.yaml"))
+    assert cfg.fp16_type == "bfloat16" and cfg.log_loss_scale is False
+    assert cfg.extras["precision_opt_level"] == 1
+
+
+def test_release_specific_keys_are_refused_where_model_zoo_refuses_them():
+    path = MODELZOO / "Release_2.0.2/btlm/params_btlm_2p7b_2k.yaml"
+    # half_dtype.py of Release_2.1.0 raises KeyError on model.use_bfloat16.
+    with pytest.raises(ConfigError, match=r"model\.use_bfloat16: Model Zoo 2\.1 rejects this key"):
+        config_from_yaml(path, modelzoo_release="Release_2.1.0")
+    # run_cstorch_flow.py of Release_2.1.0 raises on model.precision_opt_level.
+    with pytest.raises(ConfigError, match=r"model\.precision_opt_level: Model Zoo 2\.1 no longer reads it"):
+        config_from_yaml(MODELZOO / "R_1.7.1/gpt3/params_gpt3_xl.yaml", modelzoo_release="2.1")
+    with pytest.raises(ConfigError, match="the trainer layout needs Model Zoo 2.3 or later"):
+        config_from_yaml(MODELZOO / "Release_2.5.0/bert/bert_base_classifier_mnli.yaml", modelzoo_release="2.2")
+    with pytest.raises(ConfigError, match="modelzoo_release: expected a release such as"):
+        config_from_yaml(path, modelzoo_release="latest")
+    with pytest.raises(ConfigError, match="predates R_1.6.0"):
+        config_from_yaml(path, modelzoo_release="1.5")
+
+
+# ---- release rules, each against the Model Zoo code it reproduces --------------------------------
+def _legacy(**optimizer):
+    return {"model": {"mixed_precision": True, "fp16_type": "float16"},
+            "optimizer": {"loss_scaling_factor": "dynamic", **optimizer}}
+
+
+@pytest.mark.parametrize(("release", "logged"), [
+    ("R_1.7.1", False),      # not read by 1.6/1.7
+    ("Release_1.8.0", True),  # pytorch_base_runner._log_summaries_loss_scale
+    ("1.9", True),
+    ("Release_2.0.3", False),  # run_cstorch_flow returns loss_scale None
+    ("2.1", True),            # run_cstorch_flow: grad_scaler.get_scale() under log_summaries
+    ("2.3", True),            # trainer conversion: log_summaries -> precision.log_loss_scale
+    ("2.10", True),
+])
+def test_log_summaries_per_release(release, logged):
+    cfg = config_from_params(_legacy(log_summaries=True), modelzoo_release=release)
+    assert cfg.log_loss_scale is logged
+    assert cfg.extras["log_summaries"] is True
+    off = config_from_params(_legacy(log_summaries=False), modelzoo_release=release)
+    assert off.log_loss_scale is False
+
+
+def test_absent_log_summaries_follows_dynamic_from_2_5():
+    assert config_from_params(_legacy(), modelzoo_release="2.5").log_loss_scale is True
+    assert config_from_params(_legacy(), modelzoo_release="2.4").log_loss_scale is False
+    assert config_from_params(_legacy(), modelzoo_release="1.9").log_loss_scale is False
+
+
+def test_model_precision_opt_level_up_to_2_0_and_runconfig_wins():
+    data = {"model": {"mixed_precision": True, "precision_opt_level": 0, "fp16_type": "float16"},
+            "optimizer": {"loss_scaling_factor": "dynamic"}}
+    assert config_from_params(data, modelzoo_release="2.0").extras["precision_opt_level"] == 0
+    both = {**data, "runconfig": {"precision_opt_level": 2}}
+    assert config_from_params(both, modelzoo_release="1.9").extras["precision_opt_level"] == 2
+    with pytest.raises(ConfigError, match="no longer reads it here"):
+        config_from_params(data, modelzoo_release="2.2")
+
+
+def test_csconfig_use_cbfloat16():
+    data = {"model": {"mixed_precision": True}, "optimizer": {"loss_scaling_factor": "dynamic"},
+            "csconfig": {"use_cbfloat16": True}}
+    cfg = config_from_params(data)  # detected as a 1.9 file
+    assert cfg.fp16_type == "cbfloat16" and cfg.init_scale == 2.0**31
+    assert config_from_params(data, modelzoo_release="R_1.6.0").fp16_type == "cbfloat16"
+    with pytest.raises(ConfigError, match="csconfig.use_cbfloat16: Model Zoo 2.4 does not read"):
+        config_from_params(data, modelzoo_release="2.4")
+    clash = {**data, "model": {"mixed_precision": True, "use_bfloat16": True}}
+    assert "csconfig.use_cbfloat16: true contradicts" in _err(clash)
+    with pytest.raises(ConfigError, match="cbfloat16 requires loss_scaling_factor: dynamic"):
+        config_from_params({**data, "optimizer": {}}, modelzoo_release="1.9")
+
+
+@pytest.mark.parametrize(("release", "model", "fp16_type"), [
+    ("R_1.6.0", "gpt2", "float16"),     # no set_defaults for the format yet
+    ("R_1.7.0", "gpt2", "bfloat16"),    # gpt2/utils.py set_defaults: use_bfloat16 True
+    ("R_1.7.0", "bert", "float16"),
+    ("R_1.7.0", "llama", "float16"),    # llama/run.py uses gpt2 defaults only from 1.9
+    ("1.9", "llama", "bfloat16"),
+    ("2.2", "jais", "bfloat16"),        # models/nlp/gpt2/utils.py: fp16_type default bfloat16
+    ("2.1", "jais", "float16"),
+    ("2.3", "gpt2", "float16"),         # trainer flow: MixedPrecision(fp16_type="float16")
+    ("2.4", "bert", "bfloat16"),        # MixedPrecision(fp16_type="bfloat16")
+])
+def test_release_and_model_fp16_defaults(release, model, fp16_type):
+    data = {"model": {"mixed_precision": True}, "optimizer": {"loss_scaling_factor": 8.0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = config_from_params(data, modelzoo_release=release, modelzoo_model=model)
+    assert cfg.fp16_type == fp16_type
+    assert cfg.enabled is (fp16_type != "bfloat16")
+
+
+def test_cstorch_caps_initial_scale_at_max_and_refuses_tiny_min():
+    # cerebras.pytorch.amp.GradScaler: loss_scale = min(max_loss_scale, init_scale)
+    cfg = config_from_params(_current(fp16_type="float16", loss_scaling_factor="dynamic",
+                                      initial_loss_scale=2.0**20, max_loss_scale=2.0**10))
+    assert cfg.init_scale == 2.0**10 and cfg.max_scale == 2.0**10
+    cfg = config_from_params(_current(fp16_type="float16", loss_scaling_factor="dynamic", initial_loss_scale=2.0**20))
+    assert cfg.init_scale == 2.0**15  # the default max of float16
+    # ... and raises "min_loss_scale too small" below 2**-14 when dynamic.
+    msg = _err(_current(fp16_type="float16", loss_scaling_factor="dynamic", min_loss_scale=2.0**-15))
+    assert "trainer.init.precision.min_loss_scale: 3.0517578125e-05 is below 2**-14" in msg
+    msg = _err(_current(fp16_type="float16", loss_scaling_factor="dynamic", initial_loss_scale=2.0**20,
+                        min_loss_scale=2.0**16))
+    assert msg.endswith("trainer.init.precision.min_loss_scale (65536.0) is greater than "
+                        "trainer.init.precision.max_loss_scale (32768.0)")
+    # A static scale ignores min_loss_scale, as cstorch does.
+    assert config_from_params(_current(fp16_type="float16", loss_scaling_factor=4.0, min_loss_scale=2.0**-15)).enabled
+
+
+def test_duplicate_yaml_keys_are_an_error(tmp_path):
+    # Model Zoo 2.5+ loads params with UniqueKeyLoader (common/utils/utils.py), which refuses them.
+    path = tmp_path / "dup.yaml"
+    path.write_text("trainer:\n  init:\n    precision:\n      fp16_type: cbfloat16\n"
+                    "      fp16_type: float16\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"invalid YAML \(line 5, column 7\): duplicate key 'fp16_type'"):
+        config_from_yaml(path)
