@@ -49,8 +49,8 @@ _LAZY = {
     "CapturedStep": "dlspass.capture.functional",
     "CaptureError": "dlspass.capture.functional",
     "capture_step_distributed": "dlspass.distributed",
-    "verify": "dlspass.verify",
-    "VerificationError": "dlspass.verify",
+    "verify": "dlspass.invariants",
+    "VerificationError": "dlspass.invariants",
     "compile": "dlspass.compile_step",
     "make_backend": "dlspass.dynamo_backend",
 }

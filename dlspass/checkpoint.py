@@ -1,9 +1,10 @@
 """Crash-safe training checkpoints: model, optimizer, LR scheduler, DLS scaler, step and RNG.
 
-`save_checkpoint` writes atomically: ``torch.save`` into a temporary file in the target's own
-directory, ``flush`` + ``fsync``, then ``os.replace`` onto the final name and an ``fsync`` of the
-directory. A process killed at any instant leaves either the previous checkpoint or the new
-one, never a torn file (at worst a stray ``.tmp`` file that `latest_checkpoint` ignores).
+`save_checkpoint` writes atomically (``dlspass.atomic_write``): ``torch.save`` into a temporary
+file in the target's own directory, ``fsync``, then ``os.replace`` onto the final name and an
+``fsync`` of the directory. A process killed at any instant leaves either the previous
+checkpoint or the new one, never a torn file; SIGTERM removes the temporary file, and after a
+SIGKILL the stray ``.tmp`` file is one that `latest_checkpoint` ignores.
 
 Everything stored is tensors and plain Python values, so the file loads with
 ``torch.load(weights_only=True)`` (SPEC.md §5.7: scaler state lost or unloadable on resume).
@@ -14,16 +15,18 @@ CPU and Python's ``random``) are stored so that a resumed run draws the same num
 
 from __future__ import annotations
 
-import os
+import math
 import random
 import re
-import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from .atomic_write import write_atomic
+from .bounded_text import excerpt
 from .errors import DLSInputError
 
 FORMAT = "dlspass-checkpoint"
@@ -56,17 +59,6 @@ def _set_rng_state(rng: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not every platform can open a directory
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     scheduler: Any, scaler: Any, step: int,
                     extra: dict[str, Any] | None = None) -> Path:
@@ -91,20 +83,12 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         "extra": extra or {},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
+    # new checkpoints are private (0600), as they always were; a replaced one keeps its mode
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
             torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
+
+    write_atomic(path, write, fsync=True, new_mode=0o600)
     return path
 
 
@@ -113,6 +97,16 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
+    # torch.load allocates the sizes a file declares before reading them: only torch.save's
+    # zip format is read, and its directory is bounded first (a zip bomb is refused from it)
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path}: not a readable checkpoint (not in torch.save's zip format)")
+    from .pt2_archive import UnsafeArchiveError, check_zip_bounds
+
+    try:
+        check_zip_bounds(path)
+    except UnsafeArchiveError as e:
+        raise CheckpointError(str(e)) from None
     try:
         data = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for damaged files
@@ -131,29 +125,223 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
                     map_location: str | torch.device = "cpu") -> int:
     """Restore what `save_checkpoint` wrote into the given objects; returns the step.
 
-    A checkpoint without scaler state (``grad_scaler`` None or absent) restarts the scaler from
-    its configuration, as Model Zoo does.
+    Everything is checked before anything is restored (`check_checkpoint`: model keys, shapes
+    and dtypes, optimizer groups and state shapes, finite hyperparameters, a finite positive
+    float32 loss scale and non-negative counters, RNG states), so a damaged or crafted
+    checkpoint raises `CheckpointError` and leaves model, optimizer, scheduler, scaler and RNG
+    as they were. A checkpoint without scaler state (``grad_scaler`` None or absent) restarts
+    the scaler from its configuration, as Model Zoo does.
     """
     data = read_checkpoint(path, map_location)
+    check_checkpoint(data, path, model=model, optimizer=optimizer, scheduler=scheduler,
+                     restore_rng=restore_rng)
+    # the fallible restores first, each undone if a later one fails; the model (fully
+    # checked above) and the RNG (checked on a scratch generator) last
+    undo: list[Any] = []
+    try:
+        if scaler is not None:
+            old = scaler.state_dict()
+            scaler.load_state_dict(data.get("grad_scaler") or {})
+            undo.append(lambda: scaler.load_state_dict(old))
+        if scheduler is not None:
+            undo.append(_restore_scheduler(scheduler, data["scheduler"]))
+        if optimizer is not None:
+            old_opt = optimizer.state_dict()
+            optimizer.load_state_dict(data["optimizer"])
+            undo.append(lambda: optimizer.load_state_dict(old_opt))
+    except Exception as e:
+        for fn in reversed(undo):
+            fn()
+        if isinstance(e, DLSInputError):
+            raise
+        raise CheckpointError(f"{path}: cannot restore the checkpoint ({type(e).__name__}: "
+                              f"{excerpt(str(e), 160)}); nothing was changed") from None
     model.load_state_dict(data["model"])
+    if restore_rng and data.get("rng"):
+        _set_rng_state(data["rng"])
+    return int(data["step"])
+
+
+def _restore_scheduler(scheduler: Any, sched: dict[str, Any]) -> Any:
+    """Load ``sched`` into ``scheduler``; returns the function that undoes it."""
+    inner = scheduler.scheduler if sched["held"] else getattr(scheduler, "scheduler", scheduler)
+    old_state, old_held = inner.state_dict(), getattr(scheduler, "held_steps", None)
+    inner.load_state_dict(sched["state"])
+    if sched["held"]:
+        scheduler.held_steps = sched["held_steps"]
+
+    def undo() -> None:
+        inner.load_state_dict(old_state)
+        if old_held is not None:
+            scheduler.held_steps = old_held
+    return undo
+
+
+def check_checkpoint(data: dict[str, Any], path: str | Path, *, model: nn.Module | None = None,
+                     optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+                     restore_rng: bool = True) -> None:
+    """Raise `CheckpointError` naming the first entry of ``data`` that cannot be restored.
+
+    Without ``model``/``optimizer``/``scheduler`` only what needs no live object is checked:
+    the step, the scaler state, the RNG states and the types of the other entries.
+    """
+    def bad(where: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {where}: {why}")
+
+    step = data.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise bad("step", f"expected an integer >= 0, got {excerpt(step)}")
+    if not isinstance(data.get("model"), dict):
+        raise bad("model", "expected a state dict")
+    for key in ("optimizer", "scheduler", "grad_scaler", "rng"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            raise bad(key, f"expected a dict or None, got {type(data[key]).__name__}")
+    _check_scaler_state(data.get("grad_scaler"), bad)
+    if restore_rng and data.get("rng"):
+        _check_rng(data["rng"], bad)
+    if model is not None:
+        _check_model(data["model"], model, bad)
     if optimizer is not None:
         if data.get("optimizer") is None:
             raise CheckpointError(f"{path}: the checkpoint holds no optimizer state")
-        optimizer.load_state_dict(data["optimizer"])
+        _check_optimizer(data["optimizer"], optimizer, bad)
     if scheduler is not None:
         sched = data.get("scheduler")
         if sched is None:
             raise CheckpointError(f"{path}: the checkpoint holds no LR-scheduler state")
-        if sched["held"]:
-            scheduler.scheduler.load_state_dict(sched["state"])
-            scheduler.held_steps = sched["held_steps"]
-        else:
-            getattr(scheduler, "scheduler", scheduler).load_state_dict(sched["state"])
-    if scaler is not None:
-        scaler.load_state_dict(data.get("grad_scaler") or {})
-    if restore_rng and data.get("rng"):
-        _set_rng_state(data["rng"])
-    return int(data["step"])
+        held = sched.get("held")
+        if not isinstance(held, bool) or not isinstance(sched.get("state"), dict):
+            raise bad("scheduler", "expected {'held': bool, 'state': dict}")
+        if held and (getattr(scheduler, "scheduler", None) is None
+                     or not _is_count(sched.get("held_steps"))):
+            raise bad("scheduler", "a held scheduler's state needs a HeldScheduler and "
+                      "held_steps >= 0")
+        _check_numbers(sched["state"], "scheduler.state", bad)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _scalar(v: Any) -> float | None:
+    """``v`` as a Python number when it is a real number or a one-element real tensor."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v) if not isinstance(v, int) or abs(v) < 2**63 else None
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex() \
+            and v.dtype != torch.bool and type(v) is torch.Tensor:
+        return float(v.detach().reshape(()).to("cpu", torch.float64))
+    return None
+
+
+def _check_scaler_state(sd: Any, bad: Any) -> None:
+    """Scales finite, > 0 and representable in float32; counters integers >= 0."""
+    if not sd:
+        return
+    flat = dict(sd.get("grad_scaler") if isinstance(sd.get("grad_scaler"), dict) else sd)
+    flat = {k[len("grad_scaler."):] if isinstance(k, str) and k.startswith("grad_scaler.") else k: v
+            for k, v in flat.items()}
+    from .scale_policy import STATE_FIELDS
+
+    for key in ("scale", "_growth_tracker", *STATE_FIELDS):  # torch.amp's keys, then dlspass's
+        if key not in flat:
+            continue
+        v = _scalar(flat[key])
+        if key in ("scale", "loss_scale", "non_clamped_scale"):
+            f32 = None if v is None else float(torch.tensor(v, dtype=torch.float32))
+            if f32 is None or not math.isfinite(f32) or not f32 > 0:
+                raise bad(f"grad_scaler.{key}", "expected a finite loss scale > 0 in float32, "
+                          f"got {excerpt(flat[key]) if v is None else repr(v)}")
+        elif v is None or not (v == int(v) if math.isfinite(v) else False) or v < 0 or v >= 2**63:
+            raise bad(f"grad_scaler.{key}", f"expected an integer counter >= 0, got "
+                      f"{excerpt(flat[key]) if v is None else repr(v)}")
+
+
+def _check_rng(rng: dict[str, Any], bad: Any) -> None:
+    """Each state is set on a scratch generator first: a bad one fails there, not globally."""
+    t = rng.get("torch")
+    if t is not None:
+        try:
+            torch.Generator().set_state(t)
+        except Exception as e:
+            raise bad("rng.torch", f"not a torch CPU generator state ({type(e).__name__})") from None
+    py = rng.get("python")
+    if py is not None:
+        try:
+            version, internal, gauss = py
+            random.Random().setstate((version, tuple(internal), gauss))
+        except Exception as e:
+            raise bad("rng.python", f"not a Python random state ({type(e).__name__})") from None
+
+
+def _check_model(sd: dict[str, Any], model: nn.Module, bad: Any) -> None:
+    want = model.state_dict()
+    missing = [k for k in want if k not in sd]
+    extra = [k for k in sd if k not in want]
+    if missing or extra:
+        raise bad("model", f"keys do not match the model (missing {excerpt(', '.join(missing[:5]))}, "
+                  f"unexpected {excerpt(', '.join(map(str, extra[:5])))})")
+    params = {name for name, _ in model.named_parameters()}
+    for k, ref in want.items():
+        v = sd[k]
+        if type(v) is not torch.Tensor or v.shape != ref.shape:
+            raise bad(f"model.{k}", f"expected a tensor of shape {tuple(ref.shape)}, got "
+                      f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+        if v.dtype.is_floating_point != ref.dtype.is_floating_point or v.is_complex() != ref.is_complex():
+            raise bad(f"model.{k}", f"dtype {v.dtype} cannot be restored into {ref.dtype}")
+        if k in params and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise bad(f"model.{k}", "holds non-finite values")
+
+
+def _check_numbers(d: dict[str, Any], where: str, bad: Any) -> None:
+    """Float hyperparameters (lr, momentum, betas, eps, ...) must be finite."""
+    for k, v in d.items():
+        vals = v if isinstance(v, (tuple, list)) and len(v) <= 8 else [v]
+        for x in vals:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise bad(f"{where}.{k}", f"expected a finite number, got {x!r}")
+
+
+# torch.optim state entries shaped like their parameter (others, such as Adafactor's factored
+# row/column statistics, have shapes of their own and are only checked to be finite)
+_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
+                           "square_avg", "acc_delta", "sum", "grad_avg", "prev", "step_size",
+                           "exp_inf", "ax"})
+
+
+def _check_optimizer(sd: dict[str, Any], optimizer: torch.optim.Optimizer, bad: Any) -> None:
+    groups, state = sd.get("param_groups"), sd.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        raise bad("optimizer", "expected {'state': dict, 'param_groups': list}")
+    if len(groups) != len(optimizer.param_groups):
+        raise bad("optimizer.param_groups", f"{len(groups)} groups, the optimizer has "
+                  f"{len(optimizer.param_groups)}")
+    shapes: dict[Any, torch.Size] = {}
+    for i, (g, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list) \
+                or len(g["params"]) != len(live["params"]):
+            raise bad(f"optimizer.param_groups[{i}]", "does not match the optimizer's parameters")
+        _check_numbers({k: v for k, v in g.items() if k != "params"}, f"optimizer.param_groups[{i}]", bad)
+        for key in ("lr", "weight_decay", "momentum", "eps"):
+            v = g.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+                raise bad(f"optimizer.param_groups[{i}].{key}", f"expected >= 0, got {v!r}")
+        shapes.update(zip(g["params"], (p.shape for p in live["params"]), strict=True))
+    for pid, entry in state.items():
+        if pid not in shapes or not isinstance(entry, dict):
+            raise bad("optimizer.state", f"entry {excerpt(pid)} is not one of the optimizer's parameters")
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor):
+                if type(v) is not torch.Tensor:
+                    raise bad(f"optimizer.state[{pid}].{k}", "is not a plain tensor")
+                if k in _PARAM_SHAPED and v.shape != shapes[pid]:
+                    raise bad(f"optimizer.state[{pid}].{k}", f"shape {tuple(v.shape)} does not match "
+                              f"the parameter's {tuple(shapes[pid])}")
+                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    raise bad(f"optimizer.state[{pid}].{k}", "holds non-finite values")
+            elif isinstance(v, float) and not math.isfinite(v):
+                raise bad(f"optimizer.state[{pid}].{k}", f"expected a finite number, got {v!r}")
 
 
 def checkpoint_path(directory: str | Path, step: int, stem: str = "ckpt") -> Path:
@@ -164,8 +352,9 @@ def checkpoint_path(directory: str | Path, step: int, stem: str = "ckpt") -> Pat
 def latest_checkpoint(directory: str | Path, stem: str = "ckpt") -> Path | None:
     """The readable checkpoint with the highest step in ``directory`` (None if there is none).
 
-    Temporary files of an interrupted save are ignored, and so is a damaged file (the next
-    older one is returned).
+    Temporary files of an interrupted save are ignored, and so is a damaged file (one that
+    does not load, or whose step, scaler state or RNG state `check_checkpoint` refuses): the
+    next older one is returned.
     """
     d = Path(directory)
     if not d.is_dir():
@@ -177,7 +366,7 @@ def latest_checkpoint(directory: str | Path, stem: str = "ckpt") -> Path | None:
             found.append((int(m.group("step")), p))
     for _, p in sorted(found, reverse=True):
         try:
-            read_checkpoint(p)
+            check_checkpoint(read_checkpoint(p), p)
         except CheckpointError:
             continue
         return p

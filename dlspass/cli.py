@@ -8,6 +8,7 @@ one line on stderr (``dlspass: error: ...``), never a traceback; ``DLSPASS_DEBUG
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -16,13 +17,16 @@ from typing import Annotated, Any
 
 import typer
 
+from .bounded_text import excerpt, one_line
 from .config import ConfigError
 from .errors import DLSInputError
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
-# Exceptions that mean "the input is wrong": one line on stderr and exit 2.
-_BAD_INPUT = (DLSInputError, ConfigError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-              PermissionError)
+# Exceptions that mean "the input is wrong": one line on stderr and exit 2. OSError covers
+# the file system's refusals (a name too long, a loop of links, no permission, a full disk).
+_BAD_INPUT = (DLSInputError, ConfigError, ValueError, OSError)
+MAX_ERROR_CHARS = 600
+"""Longest error line: messages quote input (names, values, paths), which may be huge."""
 
 _HELP = """Dynamic loss scaling for mixed-precision training, as compiler passes on PyTorch graphs.
 
@@ -111,19 +115,35 @@ def _parse_loss_scale(value: str | None) -> str | float | None:
     if value in ("dynamic", "none"):
         return None if value == "none" else value
     try:
-        return float(value)
+        scale = float(value)
     except ValueError:
-        raise typer.BadParameter(f"expected 'dynamic', 'none' or a number, got {value!r}",
+        raise typer.BadParameter(f"expected 'dynamic', 'none' or a number, got {excerpt(value)}",
                                  param_hint="--loss-scale") from None
+    _check_number("--loss-scale", scale, positive=True)
+    return scale
 
 
 def _parse_betas(value: str) -> tuple[float, float]:
     try:
         b1, b2 = (float(v) for v in value.split(","))
     except ValueError:
-        raise typer.BadParameter(f"expected two numbers like 0.9,0.999, got {value!r}",
+        raise typer.BadParameter(f"expected two numbers like 0.9,0.999, got {excerpt(value)}",
                                  param_hint="--betas") from None
+    for b in (b1, b2):
+        if not 0 <= b < 1:  # also refuses nan
+            raise typer.BadParameter(f"expected two numbers in [0, 1), got {excerpt(value)}",
+                                     param_hint="--betas")
     return b1, b2
+
+
+def _check_number(flag: str, value: float | None, *, positive: bool = False) -> None:
+    """A hyperparameter flag must be finite and >= 0 (> 0 with ``positive``), as torch.optim
+    requires; inf or nan would be accepted by torch and turn the first step's weights to NaN."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        want = "a finite number > 0" if positive else "a finite number >= 0"
+        raise typer.BadParameter(f"expected {want}, got {value!r}", param_hint=flag)
 
 
 _FP16 = ["float16", "bfloat16", "cbfloat16"]
@@ -155,6 +175,8 @@ def export(
     """Export a loss model as a joint forward-backward program (loss and parameter gradients).
 
     To .onnx: outputs loss and grad.<param>, the backward seed is the input loss_seed (feed 1.0) and the parameters are inputs; `dlspass transform joint.onnx -o dls.onnx` then inserts DLS.
+
+    Tied parameters (one tensor under two names, e.g. an embedding shared with the output layer) become one parameter under its first name, trained with the sum of both gradients as torch.optim does. A model torch cannot export (torch.export.export or the trace of its backward fails) exits 2 with one line naming torch's error; exit 3 is kept for failures inside dlspass.
 
     Example: dlspass export tests.cli_factories:mlp -o mlp.pt2
     """  # noqa: E501 - typer keeps a docstring's line breaks in --help
@@ -198,6 +220,12 @@ def transform(
         "--config", help="A Model Zoo params.yaml supplying the DLS settings.")] = None,
     to: Annotated[str | None, typer.Option(
         "--to", help="Output format: pt2 or onnx (default: from the -o suffix).")] = None,
+    rounding: Annotated[str, typer.Option(
+        "--rounding",
+        help="How a .pt2 writes emulated rounding: aten (default; core aten bit operations, the "
+             "file loads and trains with torch alone) or op (the dlspass::round_to_format custom "
+             "op, compact and named in the graph; loading needs `import dlspass.formats`). "
+             "ONNX output always uses float arithmetic.")] = "aten",
 ) -> None:
     """Build the whole training step with dynamic loss scaling from a joint program.
 
@@ -218,14 +246,20 @@ def transform(
     )
 
     if fp16_type is not None and fp16_type not in _FP16:
-        raise typer.BadParameter(f"expected one of {', '.join(_FP16)}, got {fp16_type!r}",
+        raise typer.BadParameter(f"expected one of {', '.join(_FP16)}, got {excerpt(fp16_type)}",
                                  param_hint="--fp16-type")
     if precision_mode not in ("emulate", "native"):
-        raise typer.BadParameter(f"expected emulate or native, got {precision_mode!r}",
+        raise typer.BadParameter(f"expected emulate or native, got {excerpt(precision_mode)}",
                                  param_hint="--precision-mode")
+    if rounding not in ("aten", "op"):
+        raise typer.BadParameter(f"expected aten or op, got {rounding!r}", param_hint="--rounding")
     fmt = to or ("onnx" if output.suffix == ".onnx" else "pt2")
     if fmt not in ("pt2", "onnx"):
-        raise typer.BadParameter(f"expected pt2 or onnx, got {to!r}", param_hint="--to")
+        raise typer.BadParameter(f"expected pt2 or onnx, got {excerpt(to)}", param_hint="--to")
+    for flag, value, positive in (("--lr", lr, True), ("--momentum", momentum, False),
+                                  ("--weight-decay", weight_decay, False), ("--eps", eps, False),
+                                  ("--max-gradient-norm", max_gradient_norm, True)):
+        _check_number(flag, value, positive=positive)
     scale = _parse_loss_scale(loss_scale)
     opt = OptimizerSpec(kind=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay,
                         betas=_parse_betas(betas), eps=eps)
@@ -257,8 +291,9 @@ def transform(
         print(f"wrote {out}", file=sys.stderr)
         return
     ep, meta = load_program(src)
+    # ONNX output keeps the op here: onnx_io writes it in its float-arithmetic form
     step, step_meta = transform_program(ep, meta, cfg, opt, precision_mode=precision_mode,
-                                        source=str(src))
+                                        source=str(src), rounding="op" if fmt == "onnx" else rounding)
     if fmt == "onnx":
         from .onnx_io import save_step_onnx
 
@@ -284,7 +319,8 @@ def inspect(
     from .inspect_report import FORMATS, render, summarize_file
 
     if fmt not in FORMATS:
-        raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}, got {fmt!r}", param_hint="--format")
+        raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}, got {excerpt(fmt)}",
+                                 param_hint="--format")
     out = check_output_path(output, tuple({".txt", ".json", ".svg", ".html", f".{fmt}"})) if output else None
     report = summarize_file(file)
     other = summarize_file(diff) if diff is not None else None
@@ -306,7 +342,7 @@ def verify(
     Example: dlspass verify step.pt2
     """
     from .export_io import InputError, load_program, step_graph
-    from .verify import verify as run_verify
+    from .invariants import verify as run_verify
 
     ep, meta = load_program(file)
     if meta is None or meta.get("kind") != "step":
@@ -317,17 +353,18 @@ def verify(
 
 
 def _is_verification_error(exc: BaseException) -> bool:
-    # Look the class up only if dlspass.verify was imported: main() must stay light.
-    verify = sys.modules.get("dlspass.verify")
+    # Look the class up only if dlspass.invariants was imported: main() must stay light.
+    verify = sys.modules.get("dlspass.invariants")
     cls = getattr(verify, "VerificationError", None)
     return isinstance(cls, type) and isinstance(exc, cls)
 
 
 def _one_line(exc: BaseException | str) -> str:
+    """The message on one printable line of at most ``MAX_ERROR_CHARS`` characters."""
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
-        return f"{exc.filename}: {exc.strerror}"
+        return one_line(f"{exc.filename}: {exc.strerror}", MAX_ERROR_CHARS)
     text = str(exc).strip() or type(exc).__name__
-    return " ".join(text.split())
+    return one_line(text, MAX_ERROR_CHARS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -305,12 +306,23 @@ def find_seed(graph: fx.Graph) -> fx.Node:
             stack.extend(n.all_input_nodes)
         ancestors = seen if ancestors is None else ancestors & seen
     assert ancestors is not None
+    # a ones_like/full_like of a non-scalar (``x * torch.ones_like(x)`` in the model) is
+    # model arithmetic, not a seed: loss.backward() seeds with a 0-d ones_like(loss)
     seeds = [n for n in ancestors if n.op == "call_function"
-             and n.target in (torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default)]
+             and n.target in (torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default)
+             and _is_scalar(n)]
     if len(seeds) != 1:
         raise CompileError(f"expected one backward seed (ones_like(loss)) in the step, found {len(seeds)}: "
                            "call loss.backward() exactly once on a scalar loss")
     return seeds[0]
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    """True when ``node``'s value (its fake value, else its first argument's) is 0-d."""
+    val = node.meta.get("val")
+    if not isinstance(val, Tensor) and node.args and isinstance(node.args[0], fx.Node):
+        val = node.args[0].meta.get("val")
+    return isinstance(val, Tensor) and val.dim() == 0
 
 
 _UPDATE_OF = {roles.PARAM: roles.PARAM_UPDATE, roles.OPT_STATE: roles.OPT_STATE_UPDATE,
@@ -507,7 +519,8 @@ class CompiledStep:
         track = self.config.dynamic and hasattr(self.scaler, "_after_compiled_step")
         skipped = self.scaler.state.num_skipped_steps.clone() if track else None
         try:
-            with torch._dynamo.config.patch(trace_autograd_ops=True):
+            with torch._dynamo.config.patch(trace_autograd_ops=True,
+                                            ignore_logging_functions=_ignored_logging_functions()):
                 out = self._compiled(*args, **kwargs)
             # the step was this optimizer's step: LR schedulers check the flag to warn about
             # lr_scheduler.step() before optimizer.step()
@@ -519,8 +532,9 @@ class CompiledStep:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CompileError(
                 f"dlspass.compile: the training step is not one graph (graph break: {first}); "
-                "dlspass never compiles a step partially. Avoid Python control flow on tensor "
-                "values, call loss.backward() once and return loss.detach()"
+                "dlspass never compiles a step partially. Take what the graph break names out "
+                "of the step (e.g. Python control flow on a tensor's value, a call dynamo cannot "
+                "trace), call loss.backward() once and return loss.detach()"
             ) from e
         finally:
             for k in ("step", "zero_grad"):
@@ -528,6 +542,22 @@ class CompiledStep:
                     setattr(opt, k, had[k])
                 else:
                     opt.__dict__.pop(k, None)
+
+
+_LOGGING_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
+
+
+def _ignored_logging_functions() -> set[Callable[..., Any]]:
+    """dynamo's ``ignore_logging_functions`` plus ``logging.Logger``'s logging methods.
+
+    A logging call in the step is a graph break on torch 2.13 unless its function is in that
+    set; then the compiled step skips it. Libraries add methods to ``logging.Logger`` itself
+    (transformers 5's ``warning_once``, called in every GPT-2 forward), so the class is read
+    at each call. The set is patched in only while the step runs.
+    """
+    added = {getattr(logging.Logger, name) for name in vars(logging.Logger)
+             if name in _LOGGING_METHODS or name.endswith("_once") or name == "warning_advice"}
+    return set(torch._dynamo.config.ignore_logging_functions) | {f for f in added if callable(f)}
 
 
 def _resolve_process_group(process_group: Any) -> Any:

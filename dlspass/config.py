@@ -100,17 +100,20 @@ def _number(name: str, value: Any, *, allow_none: bool = True) -> float | None:
     return as_float
 
 
-def _scale(name: str, value: Any) -> float | None:
-    """A loss scale: a number that float32 holds as a normal value with a finite reciprocal."""
+def _scale(name: str, value: Any, lowest_exp: int = -126) -> float | None:
+    """A loss scale: a number that float32 holds, by default as a normal value with a finite
+    reciprocal (the scale is inverted to unscale). A floor is only compared with, never
+    inverted, so ``min_loss_scale`` may go down to float32's smallest subnormal (2**-149):
+    torch's policy has no floor and lets the scale decay that far."""
     v = _number(name, value)
     if v is None:
         return None
     if v <= 0:
         raise ConfigError(f"{name}: must be > 0, got {excerpt(value)}")
-    if not FLOAT32_MIN_NORMAL <= v <= FLOAT32_MAX:
+    if not 2.0**lowest_exp <= v <= FLOAT32_MAX:
         raise ConfigError(
             f"{name}: {excerpt(value)} is outside float32's range for a loss scale "
-            f"[2**-126, {FLOAT32_MAX:.6g}]; the scale is held in float32"
+            f"[2**{lowest_exp}, {FLOAT32_MAX:.6g}]; the scale is held in float32"
         )
     return v
 
@@ -174,8 +177,9 @@ class DLSConfig:
                 raise ConfigError(f"loss_scale: expected 'dynamic', a number or None, got {excerpt(ls)}")
         elif ls is not None:
             _scale("loss_scale", ls)
-        for name in ("initial_loss_scale", "min_loss_scale", "max_loss_scale"):
+        for name in ("initial_loss_scale", "max_loss_scale"):
             _scale(name, getattr(self, name))
+        _scale("min_loss_scale", self.min_loss_scale, lowest_exp=-149)
         for name in ("growth_factor", "backoff_factor", "max_gradient_norm", "max_gradient_value"):
             v = _number(name, getattr(self, name))
             if v is not None and not 0 < v <= FLOAT32_MAX:

@@ -275,7 +275,7 @@ def capture_step_distributed(
     overflow flag is all-reduced too. Returns a ``CapturedStep``.
     """
     from .capture.functional import build_step
-    from .verify import verify
+    from .invariants import verify
 
     if resolve_group(process_group) is None and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("capture_step_distributed: torch.distributed is not initialised")
@@ -317,7 +317,11 @@ def dcp_state_dict(scaler: Any) -> dict[str, Any]:
     The configuration goes in as a JSON string (DCP stores non-tensor values as bytes); tensors
     are plain (replicated), so DCP writes one copy however many ranks save.
     """
-    sd = scaler.state_dict()
+    from .scaler import GradScaler
+
+    # dlspass's own layout even for TorchGradScaler, whose state_dict() speaks torch's keys:
+    # it carries the format version and config, and TorchGradScaler loads it back.
+    sd = GradScaler.state_dict(scaler)
     out: dict[str, Any] = {k: v for k, v in sd.items() if isinstance(v, Tensor)}
     out["format_version"] = sd["format_version"]
     out["config_json"] = json.dumps(sd.get("config", {}), sort_keys=True)
@@ -325,13 +329,26 @@ def dcp_state_dict(scaler: Any) -> dict[str, Any]:
 
 
 def load_dcp_state_dict(scaler: Any, state: dict[str, Any]) -> None:
-    """Load what `dcp_state_dict` produced (after ``dcp.load`` filled it in) into ``scaler``."""
-    if DCP_KEY not in state:
-        raise KeyError(f"load_dcp_state_dict: no {DCP_KEY!r} entry in the state dict")
-    sd = dict(state[DCP_KEY])
+    """Load what `dcp_state_dict` produced (after ``dcp.load`` filled it in) into ``scaler``.
+
+    A missing entry, a value of the wrong type or a ``config_json`` that is not JSON raises
+    ``CheckpointError`` (an input error) before the scaler is touched.
+    """
+    from .bounded_text import excerpt
+    from .checkpoint import CheckpointError
+
+    entry = state.get(DCP_KEY) if isinstance(state, dict) else None
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"load_dcp_state_dict: no {DCP_KEY!r} entry in the state dict")
+    sd = dict(entry)
     raw = sd.pop("config_json", None)
     if raw is not None:
-        sd["config"] = json.loads(raw)
+        if not isinstance(raw, str):
+            raise CheckpointError(f"{DCP_KEY}.config_json: expected a JSON string, got {excerpt(raw)}")
+        try:
+            sd["config"] = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise CheckpointError(f"{DCP_KEY}.config_json is not valid JSON: {excerpt(raw)}") from None
     scaler.load_state_dict(sd)
 
 
@@ -342,10 +359,23 @@ def save_scaler(scaler: Any, checkpoint_id: str, process_group: Any = None) -> N
     dcp.save(dcp_state_dict(scaler), checkpoint_id=checkpoint_id, process_group=process_group)
 
 
-def load_scaler(scaler: Any, checkpoint_id: str, process_group: Any = None) -> None:
-    """Restore the scaler state saved by `save_scaler` on every rank (collective)."""
-    import torch.distributed.checkpoint as dcp
+def load_scaler(scaler: Any, checkpoint_id: str, process_group: Any = None, *,
+                trusted: bool = False) -> None:
+    """Restore the scaler state saved by `save_scaler` on every rank (collective).
 
+    By default the folder is read as untrusted (``dlspass.dcp_reader``): its ``.metadata`` may
+    name only DCP's own metadata classes, values load with ``weights_only=True`` and storage
+    entries must lie inside the folder, so a crafted folder raises an input error instead of
+    running code. ``trusted=True`` uses plain ``dcp.load`` (which unpickles ``.metadata`` and
+    non-tensor values): only for folders you wrote yourself, e.g. with a custom storage layout.
+    """
     state = dcp_state_dict(scaler)
-    dcp.load(state, checkpoint_id=checkpoint_id, process_group=process_group)
+    if trusted:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(state, checkpoint_id=checkpoint_id, process_group=process_group)
+    else:
+        from .dcp_reader import load_untrusted
+
+        load_untrusted(state, checkpoint_id, process_group)
     load_dcp_state_dict(scaler, state)

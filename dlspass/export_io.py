@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
+import io
 import json
 import logging
 import os
 import sys
-import tempfile
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -41,8 +42,11 @@ import torch.fx as fx
 from torch import Tensor
 
 from . import roles
+from .atomic_write import write_atomic  # also imported from here by cli and onnx_io
 from .config import DLSConfig
 from .errors import DLSInputError
+from .file_meta import check_pt2_meta
+from .pt2_archive import check_pt2_archive, save_pt2
 
 META_FILE = "dlspass.json"
 FORMAT_VERSION = 1
@@ -141,28 +145,12 @@ def check_output_path(path: str | Path, suffixes: tuple[str, ...]) -> Path:
     return p
 
 
-def write_atomic(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)`` then move the temp file onto ``path``: never a half file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix,
-                               dir=str(path.parent) if str(path.parent) else ".")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual file mode
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[str, Any] | None]:
     """Load a ``.pt2``; returns the program and its ``dlspass.json`` (None when absent)."""
     p = check_input_file(path, (".pt2",))
     if not zipfile.is_zipfile(p):
         raise InputError(f"{p}: not a .pt2 archive (not a zip file; truncated or corrupt?)")
+    check_pt2_archive(p)  # refuses what torch would unpickle, evaluate or inflate without bound
     import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format for deserialisation
 
     extra = {META_FILE: ""}
@@ -181,13 +169,14 @@ def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[s
             meta = json.loads(raw)
         except json.JSONDecodeError:
             raise InputError(f"{p}: its {META_FILE} is not valid JSON") from None
+    check_pt2_meta(meta, str(p), len(ep.graph_signature.output_specs))  # shape of dlspass.json
     return ep, meta
 
 
 def save_program(ep: torch.export.ExportedProgram, path: Path, meta: dict[str, Any] | None) -> None:
     """Save ``ep`` (and ``meta`` as ``dlspass.json``) atomically to ``path``."""
     extra = {META_FILE: json.dumps(meta, sort_keys=True)} if meta is not None else None
-    write_atomic(path, lambda tmp: torch.export.save(ep, tmp, extra_files=extra))
+    write_atomic(path, lambda tmp: save_pt2(ep, tmp, extra))  # stable inner folder name
 
 
 # ---- export -------------------------------------------------------------------------------
@@ -208,22 +197,49 @@ def _resolve_factory(spec: str) -> Any:
     return fn
 
 
+class ExportError(InputError):
+    """torch could not export the user's model (or its backward); the message names torch's error."""
+
+
+def _torch_error(exc: BaseException) -> str:
+    """``Type: first line`` of a torch exception, without torch's pointers to its logs."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    first = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {first[:300]}" if first else type(exc).__name__
+
+
 def export_factory(spec: str) -> torch.export.ExportedProgram:
-    """Export ``FACTORY()``'s ``(model, example_inputs)`` as a joint forward-backward program."""
-    made = _resolve_factory(spec)()
+    """Export ``FACTORY()``'s ``(model, example_inputs)`` as a joint forward-backward program.
+
+    A failure of torch on the user's model (in ``torch.export.export`` or while tracing its
+    backward) is the model's problem, not dlspass's: it raises ``ExportError`` (CLI exit 2)
+    with torch's exception type and first line.
+    """
+    factory = _resolve_factory(spec)
+    try:
+        made = factory()
+    except Exception as e:
+        raise InputError(f"{spec!r}: the factory raised {_torch_error(e)}") from e
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
         raise InputError(f"{spec!r}: the factory must return (model, example_inputs), got {type(made).__name__}")
     model, inputs = made
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    with quiet_torch():
-        ep = torch.export.export(model, inputs)
+    try:
+        # torch prints the partial graph of a failed export to stderr: the error names it
+        with quiet_torch(), contextlib.redirect_stderr(io.StringIO()):
+            ep = torch.export.export(model, inputs)
+    except Exception as e:
+        raise ExportError(f"{spec}: torch.export.export failed on the model ({_torch_error(e)})") from e
     return joint_program(ep, source=spec)
 
 
 def joint_program(ep: torch.export.ExportedProgram, source: str) -> torch.export.ExportedProgram:
-    """``ep`` (a model returning a scalar loss) as a joint program with parameter gradients."""
-    from torch.export.experimental import _export_forward_backward
+    """``ep`` (a model returning a scalar loss) as a joint program with parameter gradients.
 
+    Tied parameters (one tensor under several names, e.g. an embedding shared with the output
+    layer) become one parameter with one gradient, the sum over every use, as
+    ``model.parameters()`` and torch.optim see them; it keeps the first name.
+    """
     outs = [s for s in ep.graph_signature.output_specs
             if s.kind == torch.export.graph_signature.OutputKind.USER_OUTPUT]
     vals = [n.meta.get("val") for n in roles.output_values(ep.graph)]
@@ -234,8 +250,96 @@ def joint_program(ep: torch.export.ExportedProgram, source: str) -> torch.export
                          "floating-point loss (inference-only models cannot be trained)")
     if not ep.graph_signature.parameters:
         raise InputError(f"{source}: the model has no parameters to train")
-    with quiet_torch():
-        return _export_forward_backward(ep, joint_loss_index=0)
+    ep = merge_tied_parameters(ep)
+    try:
+        with quiet_torch():
+            return _export_forward_backward(ep)
+    except Exception as e:
+        raise ExportError(f"{source}: torch could not trace the model's backward "
+                          f"({_torch_error(e)})") from e
+
+
+def merge_tied_parameters(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``ep`` with each group of PARAMETER inputs holding the same tensor merged into one input.
+
+    ``torch.export`` lists a tied parameter once per name but routes every use through one of
+    the placeholders, so the joint trace finds a parameter without a gradient (pytorch#101192).
+    The merged input keeps the first name (``model.named_parameters()`` order) and all uses.
+    """
+    from torch.export.graph_signature import InputKind
+
+    sig = ep.graph_signature
+    groups: dict[tuple, list[Any]] = {}
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            t = ep.state_dict[spec.target]
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            groups.setdefault(key, []).append(spec)
+    tied = [g for g in groups.values() if len(g) > 1]
+    if not tied:
+        return ep
+    gm = copy.deepcopy(ep.graph_module)
+    placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+    dropped: set[str] = set()
+    renamed: dict[str, str] = {}
+    for group in tied:
+        keep = next((s for s in group if placeholders[s.arg.name].users), group[0])
+        for spec in group:
+            if spec is keep:
+                continue
+            node = placeholders[spec.arg.name]
+            node.replace_all_uses_with(placeholders[keep.arg.name])
+            gm.graph.erase_node(node)
+            dropped.add(spec.arg.name)
+        renamed[keep.arg.name] = group[0].target
+    gm.graph.lint()
+    gm.recompile()
+    specs = [dataclasses.replace(s, target=renamed.get(s.arg.name, s.target))
+             for s in sig.input_specs if s.arg.name not in dropped]
+    new_sig = dataclasses.replace(sig, input_specs=specs)
+    kept = {s.target for s in specs if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
+    state = {k: v for k, v in ep.state_dict.items() if k in kept}
+    return ep._update(gm, new_sig, state_dict=state)
+
+
+def _attention_in_math_ops(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                           enable_gqa: bool = False) -> Tensor:
+    """``scaled_dot_product_attention`` as torch's math attention, laid out as the CPU kernel.
+
+    Left to itself, the joint trace differentiates the CPU flash-attention op and then
+    decomposes its forward into the math form, whose second output is not the logsumexp the
+    flash backward reads: the query/key/value gradients come out wrong. Its output layout also
+    differs from the kernel's (``query``'s strides), which export relied on when it dropped the
+    model's ``.contiguous()``, so a later ``view`` fails (pytorch#136543). Decomposing the op
+    above autograd into the math ops, laid out in ``query``'s memory order, fixes both.
+    """
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # as the public op does before it picks a backend: the math kernel adds the mask
+        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
+    out, _ = torch.ops.aten._scaled_dot_product_attention_math.default(
+        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)
+    order = sorted(range(query.dim()), key=lambda d: -query.stride(d))  # outermost first
+    back = sorted(range(query.dim()), key=order.__getitem__)
+    return out.permute(order).contiguous().permute(back)
+
+
+def _export_forward_backward(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``torch.export.experimental._export_forward_backward(ep, 0)`` with attention decomposed
+    by ``_attention_in_math_ops``."""
+    from torch._decomp import core_aten_decompositions
+    from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
+    from torch.export.exported_program import _decompose_exported_program
+
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    if any(n.target is sdpa for n in ep.graph.nodes):
+        # first attention alone, so that autograd below sees only math ops
+        ep = ep.run_decompositions({sdpa: _attention_in_math_ops})
+    ep = _decompose_exported_program(ep, cia_to_decomp={}, python_decomp_table=core_aten_decompositions(),
+                                     joint_loss_index=0, decompose_custom_triton_ops=False)
+    gm, sig = _copy_graph_module_and_signature(ep)
+    _remove_detach_pass(gm, sig)
+    return ep._update(gm, sig)
 
 
 # ---- joint program -> training step graph ------------------------------------------------
@@ -250,7 +354,8 @@ class _Joint:
     params: list[str]          # PARAMETER targets, joint placeholder order
     buffers: list[str]         # BUFFER targets
     inputs: list[str]          # USER_INPUT placeholder names
-    kinds: list[str]           # per joint placeholder: "param" | "buffer" | "input"
+    consts: list[str]          # CONSTANT_TENSOR targets
+    kinds: list[str]           # per joint placeholder: "param" | "buffer" | "input" | "const"
     out_kinds: list[tuple[str, str | None]]  # per joint output: (kind, target)
 
 
@@ -263,7 +368,7 @@ def _joint(ep: torch.export.ExportedProgram, source: str) -> _Joint:
         raise InputError(f"{source}: not a training graph: no loss output and no parameter "
                          "gradients (export it with `dlspass export MODULE:FACTORY`)")
     gm = copy.deepcopy(ep.graph_module)
-    kinds, params, buffers, inputs = [], [], [], []
+    kinds, params, buffers, inputs, consts = [], [], [], [], []
     for spec in sig.input_specs:
         if spec.kind == InputKind.PARAMETER:
             kinds.append("param")
@@ -274,6 +379,10 @@ def _joint(ep: torch.export.ExportedProgram, source: str) -> _Joint:
         elif spec.kind == InputKind.USER_INPUT:
             kinds.append("input")
             inputs.append(spec.arg.name)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            # a tensor the model creates in forward (lifted by export): traced in as a constant
+            kinds.append("const")
+            consts.append(spec.target)
         else:
             raise InputError(f"{source}: unsupported graph input kind {spec.kind.name} "
                              f"({spec.arg.name}); only parameters, buffers and user inputs are supported")
@@ -300,7 +409,7 @@ def _joint(ep: torch.export.ExportedProgram, source: str) -> _Joint:
         marked = gm.graph.call_function(MARK_OP, (seed, roles.SEED, ""))
     seed.replace_all_uses_with(marked, delete_user_cb=lambda u: u is not marked)
     gm.recompile()
-    return _Joint(gm, params, buffers, inputs, kinds, out_kinds)
+    return _Joint(gm, params, buffers, inputs, consts, kinds, out_kinds)
 
 
 @dataclass
@@ -331,6 +440,7 @@ def build_step(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec, confi
     consts = ep.constants
     params = {k: torch.nn.Parameter(sd[k].detach().clone()) for k in j.params}
     buffers = {k: (sd[k] if k in sd else consts[k]).detach().clone() for k in j.buffers}
+    const_values = [consts[k].detach().clone() for k in j.consts]
     opt = optimizer.make(list(params.values()))
     fopt = functionalize(opt, {id(p): k for k, p in params.items()})
     opt_state = {k: v.detach().clone() for k, v in fopt.state_tensors().items()}
@@ -350,8 +460,9 @@ def build_step(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec, confi
         s = [next(it) for _ in range(n_s)]
         h = {k: next(it) for k in hyper}
         x = list(it)
-        pi, bi, xi = iter(p.values()), iter(b.values()), iter(x)
-        args = [next(pi) if k == "param" else next(bi) if k == "buffer" else next(xi) for k in j.kinds]
+        sources = {"param": iter(p.values()), "buffer": iter(b.values()), "input": iter(x),
+                   "const": iter(const_values)}
+        args = [next(sources[k]) for k in j.kinds]
         outs = j.gm(*args)
         new_b, loss, grads = dict(b), None, {}
         for (kind, target), v in zip(j.out_kinds, outs, strict=True):
@@ -367,12 +478,14 @@ def build_step(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec, confi
     flat = [*(v.detach() for v in params.values()), *buffers.values(), *opt_state.values(),
             *scaler.values(), *hyper.values(), *example]
     with quiet_torch():
-        gm = make_fx(flat_step, tracing_mode="fake")(*flat)
+        # _allow_non_fake_inputs: lifted constants enter as real tensors (get_attr constants)
+        gm = make_fx(flat_step, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat)
     for node in gm.graph.nodes:
         # make_fx may share one "custom" dict between nodes; roles must stay per node
         if "custom" in node.meta:
             node.meta["custom"] = dict(node.meta["custom"])
     resolve_marks(gm)
+    _drop_unused_none_outputs(gm.graph)
     placeholders = gm.graph.find_nodes(op="placeholder")
     tags = ([(roles.PARAM, k, f"p_{_safe(k)}") for k in params]
             + [(roles.BUFFER, k, f"b_{_safe(k)}") for k in buffers]
@@ -402,6 +515,20 @@ def build_step(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec, confi
                     getattr(sig, "forward_arg_names", None) if sig is not None else None)
     del n_p, n_b, n_o, n_h
     return gm, info
+
+
+def _drop_unused_none_outputs(graph: fx.Graph) -> None:
+    """Erase unused ``getitem`` nodes of values that are None (no ``meta["val"]``).
+
+    ``make_fx`` keeps ``convolution_backward(...)[0]`` for an input that needs no gradient
+    (the op returns None there); the ExportedProgram verifier refuses any node without a value.
+    """
+    import operator
+
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target is operator.getitem and not node.users
+                and node.meta.get("val") is None):
+            graph.erase_node(node)
 
 
 # ---- step graph -> ExportedProgram -----------------------------------------------------------
@@ -538,21 +665,32 @@ def package_step(gm: fx.GraphModule, info: StepInfo) -> tuple[torch.export.Expor
 
 # ---- the whole transform -----------------------------------------------------------------------
 
+ROUNDINGS = ("aten", "op")
+
+
 def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | None,
                       config: DLSConfig | None, optimizer: OptimizerSpec, *,
-                      precision_mode: str = "emulate", source: str = "input"
-                      ) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
+                      precision_mode: str = "emulate", source: str = "input",
+                      rounding: str = "aten") -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
     """The DLS training step of the joint (or plain loss) program ``ep`` and its metadata.
 
-    A program that is already a dlspass step is returned unchanged when ``config``, optimizer
-    and precision mode are the ones it was built with, and refused otherwise.
+    ``rounding="aten"`` writes each emulated rounding as core aten bit operations
+    (``dlspass.formats.round_bits``), so the program loads and runs wherever torch does;
+    ``"op"`` keeps the ``dlspass::round_to_format`` custom op (loading then needs
+    ``import dlspass.formats``). A program that is already a dlspass step is returned unchanged
+    when ``config``, optimizer, precision mode and rounding are the ones it was built with, and
+    refused otherwise.
     """
     from dlspass.passes import apply_dls
 
+    if rounding not in ROUNDINGS:
+        raise InputError(f"--rounding: expected one of {', '.join(ROUNDINGS)}, got {rounding!r}")
     wanted = {"config": None if config is None else config.to_dict(),
-              "optimizer": optimizer.to_dict(), "precision_mode": precision_mode}
+              "optimizer": optimizer.to_dict(), "precision_mode": precision_mode,
+              "rounding": rounding}
     if meta is not None and meta.get("kind") == "step":
-        have = {k: meta.get(k) for k in wanted}
+        # steps written before --rounding existed kept the custom op
+        have = {k: meta.get(k, "op" if k == "rounding" else None) for k in wanted}
         if json.dumps(have, sort_keys=True) == json.dumps(wanted, sort_keys=True):
             return ep, meta
         raise InputError(f"{source}: already a dlspass training step built with "
@@ -562,6 +700,10 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
         ep = joint_program(ep, source)
     gm, info = build_step(ep, optimizer, config, source)
     gm = apply_dls(gm, config, precision_mode=precision_mode)
+    if rounding == "aten":
+        from .formats import decompose_rounding
+
+        decompose_rounding(gm, form="bits")
     out, roles_meta = package_step(gm, info)
     full = {"format": "dlspass-step", "version": FORMAT_VERSION, "kind": "step", **wanted,
             **roles_meta, "inputs": info.inputs,

@@ -300,15 +300,37 @@ def _compiled_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: b
 def _eager_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: bool) -> torch.Tensor:
     if _native_ok(f, saturate, flush_to_zero):
         return x.to(f.torch_dtype).to(torch.float32)
+    # The result has the strides the fake kernel reports (``empty_like``, preserve_format): a
+    # contiguous result for a transposed input breaks a later ``view`` that the traced graph
+    # planned on the input's layout.
+    result = torch.empty_like(x)
     if _compile_allowed(x):
         out = _compiled_round(x, f, saturate, flush_to_zero)
         if out is not None:
-            return out
+            return out if out.stride() == result.stride() else result.copy_(out)
+    if result.stride() == x.stride():
+        # x is dense (empty_like gave it its own strides): round the flat block of memory that
+        # x and the result share in layout; rounding is elementwise, so the order is irrelevant
+        _round_flat(_flat_block(x), _flat_block(result), f, saturate, flush_to_zero)
+    else:  # sliced or expanded: round a contiguous copy, then lay it out like the fake says
+        flat = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+        _round_flat(x.contiguous().view(-1), flat, f, saturate, flush_to_zero)
+        result.copy_(flat.view(x.shape))
+    return result
+
+
+def _flat_block(t: torch.Tensor) -> torch.Tensor:
+    """The memory of a non-overlapping, dense ``t`` as one flat contiguous tensor."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _round_flat(x: torch.Tensor, y: torch.Tensor, f: Format, saturate: bool, flush_to_zero: bool) -> None:
+    """Round the flat float32 ``x`` into the flat float32 ``y`` (the eager bit form)."""
     # chunks stay in L2 and below ATen's parallel grain size: the ~15 passes below then cost
     # cache bandwidth, not DRAM bandwidth, and no thread-pool barrier per op
-    src = x.contiguous().view(-1).view(torch.int32)
+    src = x.view(torch.int32)
     n = src.numel()
-    out = torch.empty_like(src)
+    out = y.view(torch.int32)
     k = min(n, _CHUNK)
     scratch = (torch.empty(k, dtype=torch.int32), torch.empty(k, dtype=torch.bool),
                torch.empty(k, dtype=torch.bool))
@@ -317,7 +339,6 @@ def _eager_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: bool
         stop = min(start + _CHUNK, n)
         _round_chunk(src[start:stop], out[start:stop], *(t[: stop - start] for t in scratch),
                      c, saturate, flush_to_zero)
-    return out.view(torch.float32).view(x.shape)
 
 
 def _round_chunk(
@@ -426,13 +447,23 @@ def _bit_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"): 
     return fn
 
 
-def decompose_rounding(gm: fx.GraphModule, form: str = "bits") -> int:
+def rounded_format(node: fx.Node) -> str | None:
+    """The format ``node`` rounds to: a ``dlspass::round_to_format`` node, or the last node of
+    one that ``decompose_rounding`` replaced; None for any other node."""
+    if _is_round_node(node):
+        return _node_args(node)[1]
+    return node.meta.get("custom", {}).get("dlspass_rounded")
+
+
+def decompose_rounding(gm: fx.GraphModule, form: str = "bits", decompositions: dict | None = None) -> int:
     """Replace each ``dlspass::round_to_format`` node in ``gm`` by traced plain aten ops.
 
     ``form="bits"``: ``round_bits`` (int32 bit operations that inductor fuses); ``"arith"``:
     ``round_arith`` (no bit-casts, for ONNX). The form is traced with ``make_fx`` on the node
     input's fake value (so the new nodes carry valid ``meta["val"]``) and spliced in place.
     Returns the number of nodes replaced; ``gm`` is recompiled when it changed.
+    ``decompositions``: a table the form is traced with (inductor's, for a graph that goes to
+    ``compile_fx_inner`` as it is).
     """
     if form not in ("bits", "arith"):
         raise ValueError(f"form: expected 'bits' or 'arith', got {form!r}")
@@ -456,12 +487,12 @@ def decompose_rounding(gm: fx.GraphModule, form: str = "bits") -> int:
             sub = traced.get(key) if mode_kind == "fake" else None
             if sub is None:
                 with mode:
-                    sub = make_fx(fn, tracing_mode=mode_kind)(val)
+                    sub = make_fx(fn, decomposition_table=decompositions, tracing_mode=mode_kind)(val)
                 if mode_kind == "fake":
                     traced[key] = sub
             keep_val = True
         else:
-            sub = make_fx(fn)(torch.zeros(1, dtype=torch.float32))
+            sub = make_fx(fn, decomposition_table=decompositions)(torch.zeros(1, dtype=torch.float32))
             keep_val = False
         placeholder = next(n for n in sub.graph.nodes if n.op == "placeholder")
         val_map: dict[fx.Node, fx.Node] = {placeholder: x_node}
@@ -485,6 +516,8 @@ def decompose_rounding(gm: fx.GraphModule, form: str = "bits") -> int:
                 if key in node.meta and key not in out.meta:
                     # a copy: one shared dict would let a later tag on one node change both
                     out.meta[key] = copy.copy(node.meta[key])
+            # the rounding stays recognisable after decomposition (and torch.export.save)
+            out.meta["custom"] = {**out.meta.get("custom", {}), "dlspass_rounded": fmt}
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         count += 1

@@ -19,6 +19,7 @@ from typing import Any
 import networkx as nx
 
 from . import roles
+from .bounded_text import printable
 
 FORMATS = ("text", "json", "svg", "html")
 SCHEMA_ID = "dlspass-inspect/1"
@@ -96,17 +97,18 @@ def _op_name(node: Any) -> str:
 def _converts(node: Any) -> bool:
     import torch
 
-    from .formats import _is_round_node
+    from .formats import rounded_format
 
-    return _is_round_node(node) or node.target in (
+    return rounded_format(node) is not None or node.target in (
         torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
 def _cast_key(node: Any) -> str:
-    from .formats import _is_round_node, _node_args
+    from .formats import rounded_format
 
-    if _is_round_node(node):
-        return _node_args(node)[1]
+    fmt = rounded_format(node)
+    if fmt is not None:
+        return fmt
     val = node.meta.get("val")
     return str(getattr(val, "dtype", "unknown")).replace("torch.", "")
 
@@ -136,19 +138,32 @@ def _summarize_fx(gm: Any) -> dict[str, Any]:
 
 
 def _scaled_region(nodes: list[dict], edges: list[list[str]]) -> dict[str, Any]:
-    """Nodes on a path from the scaled seed to an unscale node (the values that carry the scale)."""
-    dag = nx.DiGraph()
-    dag.add_nodes_from(n["id"] for n in nodes)
-    dag.add_edges_from(edges)
+    """Nodes on a path from the scaled seed to an unscale node (the values that carry the scale).
+
+    One forward search from the seed and one backward search from all unscale nodes together:
+    linear in the graph, however many gradients there are."""
     seeds = [n["id"] for n in nodes if n["role"] == roles.SCALED_SEED]
     unscale = [n["id"] for n in nodes if n["role"] == roles.UNSCALE]
     if not seeds:
         return {"size": 0, "seed": None, "unscale": unscale}
-    down = nx.descendants(dag, seeds[0]) | {seeds[0]}
-    up: set[str] = set()
-    for u in unscale:
-        up |= nx.ancestors(dag, u) | {u}
+    succ: dict[str, list[str]] = {}
+    pred: dict[str, list[str]] = {}
+    for a, b in edges:
+        succ.setdefault(a, []).append(b)
+        pred.setdefault(b, []).append(a)
+    down, up = _reach([seeds[0]], succ), _reach(unscale, pred)
     return {"size": len(down & up), "seed": seeds[0], "unscale": unscale}
+
+
+def _reach(starts: list[str], nxt: dict[str, list[str]]) -> set[str]:
+    seen = set(starts)
+    stack = list(starts)
+    while stack:
+        for m in nxt.get(stack.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return seen
 
 
 def _summarize_pt2(path: Path) -> dict[str, Any]:
@@ -273,7 +288,13 @@ def render_text(r: dict[str, Any]) -> str:
         lines.append(f"diff against {d['other']}: {d['node_delta']:+d} ops")
         lines += [f"  + {k} x{v}" for k, v in d["added_ops"].items()]
         lines += [f"  - {k} x{v}" for k, v in d["removed_ops"].items()]
-    return "\n".join(lines)
+    # names come from the file: an ESC in one must not reach the terminal
+    return "\n".join(printable(line) for line in lines)
+
+
+def _esc(text: str) -> str:
+    """Text from the file for HTML/SVG: control characters (invalid in XML) written out."""
+    return html.escape(printable(text))
 
 
 _COLORS = {"inserted": "#f28e2b", "role": "#4e79a7", "io": "#59a14f", "plain": "#bab0ac"}
@@ -281,7 +302,8 @@ _COLORS = {"inserted": "#f28e2b", "role": "#4e79a7", "io": "#59a14f", "plain": "
 
 def _layout(r: dict[str, Any]) -> dict[str, tuple[float, float]]:
     """Layered layout: topological generation -> column; rows ordered by the mean row of each
-    node's inputs (one barycenter sweep), which keeps chains straight and crossings few."""
+    node's inputs (one barycenter sweep), which keeps chains straight and crossings few.
+    Linear in nodes plus edges (sort aside): each node is bucketed into its column once."""
     dag = nx.DiGraph()
     order = {n["id"]: i for i, n in enumerate(r["graph"]["nodes"])}
     dag.add_nodes_from(order)
@@ -292,9 +314,11 @@ def _layout(r: dict[str, Any]) -> dict[str, tuple[float, float]]:
     for nid in gens[0] if gens else []:
         users = [col[u] for u in dag.successors(nid)]
         col[nid] = max(min(users) - 1, 0) if users else 0
-    gens = [[n for n in order if col[n] == x] for x in range(max(col.values(), default=-1) + 1)]
+    columns: list[list[str]] = [[] for _ in range(max(col.values(), default=-1) + 1)]
+    for nid in order:  # in file order within each column
+        columns[col[nid]].append(nid)
     pos: dict[str, tuple[float, float]] = {}
-    for x, gen in enumerate(gens):
+    for x, gen in enumerate(columns):
         def key(nid: str) -> tuple[float, int]:
             ys = [pos[p][1] for p in dag.predecessors(nid) if p in pos]
             return (sum(ys) / len(ys) if ys else float(order[nid]), order[nid])
@@ -318,7 +342,7 @@ def render_svg(r: dict[str, Any]) -> str:
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="dlspass-graph" width="{width:.0f}" '
              f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" font-family="sans-serif" '
              'font-size="10">',
-             f'<text x="{pad}" y="14">{html.escape(Path(r["file"]).name)}: {r["node_count"]} ops; '
+             f'<text x="{pad}" y="14">{_esc(Path(r["file"]).name)}: {r["node_count"]} ops; '
              'orange = inserted by dlspass, blue = tagged role, green = input/output</text>',
              '<g class="edges" stroke="#999" stroke-width="0.6" fill="none">']
     for a, b in r["graph"]["edges"]:
@@ -340,16 +364,16 @@ def render_svg(r: dict[str, Any]) -> str:
             title += f" [{n['role']}{' ' + n['target_entry'] if n['target_entry'] else ''}]"
         if n["pass"]:
             title += f" (inserted by {n['pass']})"
-        extra = f' data-pass="{html.escape(n["pass"])}"' if n["pass"] else ""
+        extra = f' data-pass="{_esc(n["pass"])}"' if n["pass"] else ""
         parts.append(f'<circle class="{cls}" cx="{x:.1f}" cy="{y:.1f}" r="{rad}" fill="{color}"'
-                     f'{extra}><title>{html.escape(title)}</title></circle>')
+                     f'{extra}><title>{_esc(title)}</title></circle>')
     parts.append("</g></svg>")
     return "\n".join(parts)
 
 
 def _table(headers: list[str], rows: list[list[Any]], cls: str) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape('' if c is None else str(c))}</td>" for c in row)
+    head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{_esc('' if c is None else str(c))}</td>" for c in row)
                    + "</tr>" for row in rows)
     return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
@@ -370,7 +394,7 @@ def render_html(r: dict[str, Any]) -> str:
         d = r["diff"]
         rows = ([["+", k, v] for k, v in d["added_ops"].items()]
                 + [["-", k, v] for k, v in d["removed_ops"].items()])
-        diff_html = (f'<section id="diff"><h2>Diff against {html.escape(d["other"])} '
+        diff_html = (f'<section id="diff"><h2>Diff against {_esc(d["other"])} '
                      f'({d["node_delta"]:+d} ops)</h2>{_table(["", "op", "count"], rows, "diff")}</section>')
     else:
         diff_html = '<section id="diff"><h2>Diff</h2><p>No --diff file given.</p></section>'
@@ -379,9 +403,9 @@ def render_html(r: dict[str, Any]) -> str:
              "text-align:left}th{background:#eee}.graph{overflow:auto;border:1px solid #ccc;"
              "max-height:70vh}.diff td:first-child{font-weight:bold}")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>dlspass inspect: {html.escape(Path(r['file']).name)}</title>"
+            f"<title>dlspass inspect: {_esc(Path(r['file']).name)}</title>"
             f"<style>{style}</style></head><body>"
-            f"<h1>dlspass inspect: {html.escape(Path(r['file']).name)}</h1>"
+            f"<h1>dlspass inspect: {_esc(Path(r['file']).name)}</h1>"
             f'<section id="summary"><h2>Summary</h2>{summary}</section>'
             f'<section id="graph"><h2>Graph</h2><div class="graph">{render_svg(r)}</div></section>'
             f"{diff_html}"

@@ -41,6 +41,7 @@ import torch.fx as fx
 
 from . import roles
 from .export_io import META_FILE, InputError, quiet_torch, write_atomic
+from .file_meta import check_onnx_meta
 
 
 def _bool_where_to_logic(gm: fx.GraphModule) -> int:
@@ -179,7 +180,80 @@ def load_onnx(path: str | Path) -> Any:
     if not model.graph.outputs:
         raise InputError(f"{p}: the ONNX model has no outputs")
     _check_wellformed(model, p)
+    check_onnx_meta(model.metadata_props, str(p))
+    _check_external_data(p)
     return model
+
+
+MAX_LOCATION_CHARS = 1024
+
+
+def _check_external_data(p: Path) -> None:
+    """Every external-data reference must name a regular file inside the model's folder, and
+    its offset and length must lie inside that file: ``onnx.load`` would otherwise read any
+    file the path reaches, block on a FIFO, or fail with an exception of its own."""
+    import os
+    import stat
+
+    import onnx
+    from onnx import TensorProto
+
+    from .bounded_text import excerpt
+
+    try:
+        proto = onnx.load(str(p), load_external_data=False)
+    except Exception as e:
+        raise InputError(f"{p}: cannot read the ONNX model ({type(e).__name__}: "
+                         f"{excerpt(str(e), 120)})") from None
+    base = os.path.realpath(p.parent)
+    for t in _all_tensors(proto):
+        if t.data_location != TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        where = f"{p}: tensor {excerpt(t.name, 80)} stores its data in {excerpt(loc, 80)}"
+        parts = loc.replace("\\", "/").split("/")
+        if not loc or len(loc) > MAX_LOCATION_CHARS or "\0" in loc or os.path.isabs(loc) \
+                or ".." in parts or any(len(c) > 255 for c in parts):
+            raise InputError(f"{where}, which is not a short relative path inside the model's folder")
+        target = os.path.realpath(os.path.join(base, loc))
+        if os.path.commonpath([base, target]) != base:
+            raise InputError(f"{where}, which leads outside the model's folder")
+        try:
+            st = os.stat(target)
+        except OSError as e:
+            raise InputError(f"{where}, which cannot be read ({e.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{where}, which is not a regular file")
+        try:
+            offset = int(info.get("offset", "0"))
+            length = int(info.get("length", str(st.st_size - offset)))
+        except ValueError:
+            raise InputError(f"{where} at an offset or length that is not a number") from None
+        if offset < 0 or length < 0 or offset + length > st.st_size:
+            raise InputError(f"{where} at bytes {offset}..{offset + length}, outside the "
+                             f"{st.st_size:,}-byte file")
+
+
+def _all_tensors(proto: Any) -> Any:
+    """Every TensorProto of a model: initializers and node attributes, in every subgraph and
+    function (walked with a stack, not recursion)."""
+    stack = [proto.graph, *proto.functions]
+    while stack:
+        g = stack.pop()
+        if hasattr(g, "initializer"):
+            yield from g.initializer
+            for sparse in g.sparse_initializer:
+                yield sparse.values
+                yield sparse.indices
+        for node in g.node:
+            for a in node.attribute:
+                if a.HasField("t"):
+                    yield a.t
+                yield from a.tensors
+                if a.HasField("g"):
+                    stack.append(a.g)
+                stack.extend(a.graphs)
 
 
 def _check_wellformed(model: Any, p: Path) -> None:
@@ -399,11 +473,25 @@ def lower_precision_onnx(proto: Any, fmt: str, source: str = "model") -> int:
     known: dict[str, bool] = {}
 
     def is_rounded(name: str) -> bool:
-        if name not in known:
-            src = producer.get(name)
-            known[name] = name in cast_outputs or (
-                src is not None and src.op_type in _PRESERVING_OPS and name == src.output[0]
-                and bool(src.input) and is_rounded(src.input[0]))
+        """Whether ``name`` is a rounding's output, possibly through value-preserving ops.
+        Iterative: a chain of thousands of ops before a MatMul must not exhaust the stack
+        (and a cycle, which a crafted file can hold, must not loop)."""
+        chain: list[str] = []
+        on_chain: set[str] = set()
+        cur = name
+        while cur not in known:
+            src = producer.get(cur)
+            if cur in cast_outputs:
+                known[cur] = True
+            elif cur in on_chain or src is None or src.op_type not in _PRESERVING_OPS \
+                    or cur != src.output[0] or not src.input:
+                known[cur] = False
+            else:
+                chain.append(cur)
+                on_chain.add(cur)
+                cur = src.input[0]
+        for n in chain:
+            known[n] = known[cur]
         return known[name]
 
     template = _RoundTemplate(fmt, _opset(proto))
@@ -412,29 +500,40 @@ def lower_precision_onnx(proto: Any, fmt: str, source: str = "model") -> int:
 
     def via_view(x: str) -> str | None:
         """``x`` rebuilt from an already rounded value by a copy of the data movement that
-        made it (the backward's Transpose of a forward weight, say): no second rounding."""
-        if x in rounded:
-            return rounded[x]
-        src = producer.get(x)
-        if src is None or src.op_type not in _MOVING_OPS or not src.input or x not in src.output:
-            return None
-        base = src.input[0] if is_rounded(src.input[0]) else via_view(src.input[0])
-        if base is None:
-            return None
+        made it (the backward's Transpose of a forward weight, say): no second rounding.
+        Walks down the chain of data movement iteratively, then copies it bottom-up."""
         from onnx import NodeProto, StringStringEntryProto
 
-        view = NodeProto()
-        view.CopyFrom(src)
-        del view.metadata_props[:]
-        view.metadata_props.append(StringStringEntryProto(key="dlspass_pass", value="lower_precision"))
-        view.name = _fresh(f"dlspass_view/{src.name or src.op_type}", taken)
-        view.input[0] = base
-        for k, o in enumerate(src.output):
-            if o:
-                view.output[k] = _fresh(f"{o}.{fmt}", taken)
-                rounded[o] = view.output[k]
-                known[view.output[k]] = True
-        nodes.append(view)
+        chain: list[tuple[str, Any]] = []
+        on_chain: set[str] = set()
+        cur = x
+        while cur not in rounded:
+            src = producer.get(cur)
+            if src is None or src.op_type not in _MOVING_OPS or not src.input \
+                    or cur not in src.output or cur in on_chain:
+                return None
+            chain.append((cur, src))
+            on_chain.add(cur)
+            if is_rounded(src.input[0]):
+                base = src.input[0]
+                break
+            cur = src.input[0]
+        else:
+            base = rounded[cur]
+        for cur, src in reversed(chain):
+            view = NodeProto()
+            view.CopyFrom(src)
+            del view.metadata_props[:]
+            view.metadata_props.append(StringStringEntryProto(key="dlspass_pass", value="lower_precision"))
+            view.name = _fresh(f"dlspass_view/{src.name or src.op_type}", taken)
+            view.input[0] = base
+            for k, o in enumerate(src.output):
+                if o:
+                    view.output[k] = _fresh(f"{o}.{fmt}", taken)
+                    rounded[o] = view.output[k]
+                    known[view.output[k]] = True
+            nodes.append(view)
+            base = rounded[cur]
         return rounded[x]
 
     for node in list(g.node):

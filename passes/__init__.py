@@ -9,7 +9,7 @@ Order (one pass per file, ``VerbNounPass`` in ``verb_noun_pass.py``):
 5. ``GuardUpdatesPass``    params and optimizer state: ``where(isfinite, new, old)`` (dynamic)
 6. ``UpdateScalePass``     scaler-state outputs = ``update_state(state, isfinite)`` (dynamic)
 
-then ``dlspass.verify.verify``. The config is recorded as JSON on the output node
+then ``dlspass.invariants.verify``. The config is recorded as JSON on the output node
 (``meta["custom"]["dlspass_config"]``; also on the seed node, whose meta survives
 ``torch.export``, which rebuilds the output node), which makes the pipeline idempotent and lets it refuse
 a graph already rewritten with a different config.
@@ -109,7 +109,7 @@ def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
     Example:
         >>> gm = apply_dls(gm, DLSConfig(loss_scale="dynamic"))  # doctest: +SKIP
     """
-    from dlspass.verify import verify
+    from dlspass.invariants import verify
 
     if precision_mode not in ("emulate", "native"):
         raise ValueError(f"precision_mode: expected 'emulate' or 'native', got {precision_mode!r}")

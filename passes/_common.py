@@ -88,6 +88,24 @@ def grads(graph: fx.Graph) -> list[tuple[str, fx.Node]]:
     return found
 
 
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Every node some GRAD node depends on (the forward and the backward), GRAD nodes included.
+
+    A gradient may also feed the backward itself (BatchNorm's bias gradient is a sum that its
+    input gradient reuses); those uses must keep reading the scaled value, as torch.amp's
+    backward does, and only the optimizer's reads move to the unscaled or clipped one.
+    """
+    seen: set[fx.Node] = set()
+    stack = list(roles.nodes_with_role(graph, roles.GRAD))
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
 def global_node(graph: fx.Graph, role: str) -> fx.Node | None:
     """The step's one node with ``role`` and target ``"global"`` (overflow flag, norm)."""
     for node in roles.nodes_with_role(graph, role):

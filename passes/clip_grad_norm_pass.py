@@ -9,7 +9,15 @@ from dlspass import roles, scale_policy
 from dlspass.config import DLSConfig
 from dlspass.splice import insertion_point, splice
 
-from ._common import GLOBAL, DLSPass, PassContractError, global_node, grads, replace_uses
+from ._common import (
+    GLOBAL,
+    DLSPass,
+    PassContractError,
+    backward_nodes,
+    global_node,
+    grads,
+    replace_uses,
+)
 
 # DLS bookkeeping that must keep reading the unclipped gradients (the check comes first)
 _CHECK_ROLES = {roles.UNSCALE, roles.GRAD_NORM, roles.ISFINITE, roles.CLIP}
@@ -57,17 +65,20 @@ class ClipGradNormPass(DLSPass):
             clipped = splice(graph, lambda *gs: scale_policy.clip(gs, None, config), gnodes,
                              role=roles.CLIP, by_pass=self.name, before=anchor,
                              output_roles=[(roles.CLIP, t) for t in names])
+        backward = backward_nodes(graph)  # reads inside the backward stay unclipped
         for g, c in zip(gnodes, clipped, strict=True):
-            keep = {u for u in g.users if roles.role_of(u) in _CHECK_ROLES}
+            keep = {u for u in g.users if roles.role_of(u) in _CHECK_ROLES} | backward
             replace_uses(g, c, keep)
         self.mark_applied(gm)
         return PassResult(gm, True)
 
     def ensures(self, gm: fx.GraphModule) -> None:
+        backward = backward_nodes(gm.graph)
         for node in roles.nodes_with_role(gm.graph, roles.CLIP):
             src = node.args[0] if node.args else None
             if roles.target_of(node) and isinstance(src, fx.Node):
-                leaks = [u.name for u in src.users if roles.role_of(u) not in _CHECK_ROLES]
+                leaks = [u.name for u in src.users
+                         if roles.role_of(u) not in _CHECK_ROLES and u not in backward]
                 if leaks:
                     raise PassContractError(f"clip_grad_norm: {leaks} read the unclipped "
                                             f"gradient {src.name!r}")

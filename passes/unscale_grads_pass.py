@@ -9,7 +9,15 @@ from dlspass import roles, scale_policy
 from dlspass.config import DLSConfig
 from dlspass.splice import splice
 
-from ._common import GLOBAL, DLSPass, PassContractError, grads, replace_uses, scale_placeholder
+from ._common import (
+    GLOBAL,
+    DLSPass,
+    PassContractError,
+    backward_nodes,
+    grads,
+    replace_uses,
+    scale_placeholder,
+)
 
 
 class UnscaleGradsPass(DLSPass):
@@ -40,12 +48,13 @@ class UnscaleGradsPass(DLSPass):
         names = [t for t, _ in found]
         gnodes = [g for _, g in found]
         existing = set(graph.nodes)
+        backward = backward_nodes(graph)
         unscaled = splice(
             graph, lambda s, *gs: scale_policy.unscale(gs, s), [scale_placeholder(graph), *gnodes],
             role=roles.UNSCALE, by_pass=self.name, output_roles=[(roles.UNSCALE, t) for t in names])
         new = set(graph.nodes) - existing
         for g, u in zip(gnodes, unscaled, strict=True):
-            replace_uses(g, u, new)
+            replace_uses(g, u, new | backward)  # the backward keeps the scaled gradient
         if config.dynamic:
             # the check reads the unscaled values: a scale large enough to overflow fp32 after
             # unscaling is caught here, not silently passed on (torch #99640's failure mode)
@@ -61,8 +70,9 @@ class UnscaleGradsPass(DLSPass):
     def ensures(self, gm: fx.GraphModule) -> None:
         if self.config is None or not self.config.enabled:
             return
+        backward = backward_nodes(gm.graph)
         for name, g in grads(gm.graph):
-            bad = [u.name for u in g.users if roles.role_of(u) != roles.UNSCALE]
+            bad = [u.name for u in g.users if roles.role_of(u) != roles.UNSCALE and u not in backward]
             if bad:
                 raise PassContractError(f"unscale_grads: grad of {name!r} is read unscaled by {bad}")
 

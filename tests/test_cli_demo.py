@@ -226,7 +226,7 @@ def test_missing_file_is_exit_2(temp_command, capsys):
 
 
 def test_verification_error_is_exit_1(temp_command, capsys):
-    verify = pytest.importorskip("dlspass.verify")
+    verify = pytest.importorskip("dlspass.invariants")
     temp_command["exc"] = verify.VerificationError("unscale node missing\nfor grad of fc1.weight")
     assert cli.run(["explode"]) == 1
     err = capsys.readouterr().err

@@ -23,7 +23,9 @@ SVG_NS = "{http://www.w3.org/2000/svg}"
 @pytest.fixture(scope="module")
 def files():
     joint = cf.joint_file("mlp")
-    step = cf.step_file("mlp", ".pt2", "--fp16-type", "cbfloat16", "--max-gradient-norm", "1.0")
+    # the custom op, so the graph names each rounding (aten steps: test_cli_transform.py)
+    step = cf.step_file("mlp", ".pt2", "--fp16-type", "cbfloat16", "--max-gradient-norm", "1.0",
+                        "--rounding", "op")
     return joint, step
 
 

@@ -161,3 +161,80 @@ def test_onnx_input_without_seed_input_is_refused(tmp_path, capsys):
     assert cf.cli("transform", joint, "-o", out) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no backward-seed graph input" in err and not out.exists()
+
+
+# ---- --rounding: a cbfloat16 step that runs where torch runs ----------------------------------
+
+_FRESH = r"""
+import sys, torch
+path, data_path, out_path = sys.argv[1:]
+data = torch.load(data_path)
+m = torch.export.load(path).module()
+losses, scales, skipped = [], [], []
+with torch.no_grad():
+    for batch in data:
+        losses.append(m(*batch))
+        bufs = dict(m.named_buffers())
+        scales.append(bufs["dlspass_scaler_loss_scale"].clone())
+        skipped.append(bufs["dlspass_scaler_num_skipped_steps"].clone())
+assert "dlspass" not in sys.modules, "dlspass was imported"
+assert not [k for k in sys.modules if k.startswith("dlspass.")]
+torch.save({"losses": losses, "scales": scales, "skipped": skipped,
+            "params": {k: v.detach() for k, v in m.named_parameters()}}, out_path)
+"""
+
+
+_CB16 = ("--fp16-type", "cbfloat16", "--optimizer", "sgd", "--lr", "0.05")
+
+
+def _run_fresh(step, data, tmp_path):
+    """Train ``step`` in a new interpreter that never imports dlspass; its results, or None
+    when it failed (with its stderr)."""
+    import subprocess
+    import sys
+
+    data_path, out_path = tmp_path / "data.pt", tmp_path / "out.pt"
+    torch.save(data, data_path)
+    proc = subprocess.run([sys.executable, "-c", _FRESH, str(step), str(data_path), str(out_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    return (torch.load(out_path) if proc.returncode == 0 else None), proc.stderr
+
+
+def test_cbfloat16_step_trains_in_a_process_without_dlspass(tmp_path):
+    aten = cf.step_file("mlp", ".pt2", *_CB16)  # default --rounding aten
+    op = cf.step_file("mlp", ".pt2", *_CB16, "--rounding", "op")
+    ep_aten, meta = load_program(aten)
+    assert meta["rounding"] == "aten"
+    assert not any("dlspass" in str(n.target) for n in ep_aten.graph.nodes)
+    assert any("round_to_format" in str(n.target) for n in load_program(op)[0].graph.nodes)
+    data = cf.batches("mlp", 10)  # step 7 overflows (an inf input)
+    got, err = _run_fresh(aten, data, tmp_path)
+    assert got is not None, err
+    ref = cf.train_pt2(op, data)  # the custom op, in this process (dlspass imported)
+    assert [int(s) for s in got["skipped"]] == ref["skipped"] and ref["skipped"][-1] == 1
+    assert [float(s) for s in got["scales"]] == ref["scales"]
+    for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+        if i != cf.OVERFLOW_STEP:
+            assert float(a) == b, f"step {i}"  # the bit form is the op, bit for bit
+    for k, v in ref["params"].items():
+        assert torch.equal(got["params"][k], v), k
+    # the custom-op file is what cannot load there
+    failed, err = _run_fresh(op, data[:1], tmp_path)
+    assert failed is None and "round_to_format" in err
+
+
+def test_inspect_counts_the_same_casts_for_both_roundings(capsys):
+    reports = []
+    for extra in ((), ("--rounding", "op")):
+        capsys.readouterr()
+        assert cf.cli("inspect", cf.step_file("mlp", ".pt2", *_CB16, *extra), "--format", "json") == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    assert reports[0]["casts"] == reports[1]["casts"] and reports[0]["casts"]["cbfloat16"] > 0
+
+
+def test_unknown_rounding_is_a_usage_error(tmp_path, capsys):
+    capsys.readouterr()
+    out = tmp_path / "x.pt2"
+    assert cf.cli("transform", cf.joint_file("mlp"), "-o", out, "--rounding", "bits") == 2
+    assert "--rounding" in capsys.readouterr().err and not out.exists()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import logging
 
 import pytest
 import torch
@@ -61,7 +63,8 @@ def _train_both(step, reference, ref_opt, ref_scaler, batches) -> None:
 
 
 def _assert_same_params(model, reference) -> None:
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+    params = model.parameters() if isinstance(model, torch.nn.Module) else model
+    for p, q in zip(params, reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
@@ -479,3 +482,77 @@ def test_state_reset_by_a_fresh_checkpoint_mid_training(opt_cls, opt_kw):
     ref_opt.load_state_dict(copy.deepcopy(fresh))
     _train_both(step, reference, ref_opt, ref_scaler, batches[2:])
     _assert_same_params(model, reference)
+
+
+class _OnesLikeMLP(torch.nn.Module):
+    """An MLP whose forward multiplies by ``ones_like`` of a non-scalar: model arithmetic that
+    every gradient depends on, but not the backward seed (T5's layer norm does the like)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x * torch.ones_like(x)) * torch.full_like(x[:, :4], 1.0)
+
+
+class _LoggingMLP(torch.nn.Module):
+    """An MLP that logs in every forward through a logger method a library added to
+    ``logging.Logger`` (transformers 5 adds ``warning_once``, an lru_cache'd function)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLP()
+        self.logger = logging.getLogger("dlspass.tests.logging_mlp")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.logger.warning_once("forward called")
+        self.logger.info("plain logging call")
+        return self.net(x)
+
+
+def _compiled_module(module, scaler):
+    torch.manual_seed(0)
+    model = module()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def train_step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, mixed_precision=False,
+                           backend_compiler="eager")
+    return step, reference, torch.optim.SGD(reference.parameters(), lr=0.05)
+
+
+@pytest.fixture
+def logger_warning_once(monkeypatch):
+    @functools.lru_cache(None)
+    def warning_once(self, *args, **kwargs):
+        self.warning(*args, **kwargs)
+
+    monkeypatch.setattr(logging.Logger, "warning_once", warning_once, raising=False)
+
+
+@pytest.mark.parametrize("module", [_OnesLikeMLP, _LoggingMLP], ids=["ones_like", "logging"])
+def test_steps_that_were_not_one_graph_match_eager(module, request):
+    """``x * ones_like(x)`` is not taken for a seed; logger calls (also ``warning_once``) are
+    skipped inside the step instead of breaking the graph; one graph, eager parity."""
+    if module is _LoggingMLP:
+        request.getfixturevalue("logger_warning_once")
+    torch._dynamo.reset()
+    counters.clear()
+    scaler, ref_scaler = _scaler(), _scaler()
+    step, reference, ref_opt = _compiled_module(module, scaler)
+    _train_both(step, reference, ref_opt, ref_scaler, _batches(6))
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert int(scaler.state.num_skipped_steps) == int(ref_scaler.state.num_skipped_steps) == 1
+    assert float(scaler.state.loss_scale) == float(ref_scaler.state.loss_scale)
+    _assert_same_params(step._ctx.optimizer.param_groups[0]["params"], reference)
+    if module is _LoggingMLP:  # the logging functions are dynamo's to ignore only while the step runs
+        assert logging.Logger.warning_once not in torch._dynamo.config.ignore_logging_functions

@@ -329,6 +329,33 @@ def test_dcp_save_load_scaler_state(two: list[dict]) -> None:
         assert r["loaded"]["config"] == r["saved"]["config"]
 
 
+def test_dcp_round_trip_of_torch_grad_scaler(tmp_path) -> None:
+    """TorchGradScaler (torch's state_dict keys) saves and loads through DCP and keeps its course."""
+    import warnings
+
+    from dlspass import TorchGradScaler
+    from dlspass.distributed import load_scaler, save_scaler
+
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = TorchGradScaler("cpu", init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.25,
+                             growth_interval=2)
+    for i in range(5):
+        loss = model(torch.randn(4, 3)).sum() * (float("inf") if i == 1 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    fresh = TorchGradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group is initialised
+        save_scaler(scaler, str(tmp_path / "ckpt"))
+        load_scaler(fresh, str(tmp_path / "ckpt"))
+    # torch's own keys and values: scale, factors, interval and growth tracker.
+    assert fresh.state_dict() == scaler.state_dict()
+    assert fresh.state_dict()["growth_factor"] == 4.0 and fresh.get_growth_interval() == 2
+
+
 def test_single_process_needs_no_group() -> None:
     """Without an initialised process group nothing is communicated (and none is required)."""
     from dlspass.distributed import insert_flag_allreduce, insert_grad_allreduce, resolve_group

@@ -137,3 +137,182 @@ def test_make_backend_with_scaler_step_and_update_matches_eager_scaler():
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert scaler.get_num_skipped_steps().item() == 2
+
+
+class _GraphBreak(torch.nn.Module):
+    """The issue's reproduction: two graphs, the overflow in the second one's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h + off).sum()
+
+
+def _train_scaled(step_loss, model, n_steps: int, bad_step: int, *, backend_scaled: bool):
+    """SGD steps driven by a dlspass.GradScaler; returns (scales, weights after each step)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10, steps_per_increase=2)
+    backend = dlspass.make_backend(scaler=scaler, mixed_precision=False, backend_compiler="eager")
+    scales, weights = [], []
+    for i in range(n_steps):
+        for loss in step_loss(model, i == bad_step, backend if backend_scaled else None):
+            (loss if backend_scaled else scaler.scale(loss)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale().item())
+        weights.append([p.detach().clone() for p in model.parameters()])
+    return scales, weights, scaler
+
+
+def _graph_break_losses():
+    compiled: dict[int, torch.nn.Module] = {}
+
+    def losses(model, bad, backend):
+        run = model
+        if backend is not None:
+            run = compiled.setdefault(id(model), torch.compile(model, backend=backend))
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+        yield run(x, torch.full((8,), float("inf") if bad else 0.0))
+
+    return losses
+
+
+def _accumulated_losses():
+    compiled: dict[int, torch.nn.Module] = {}
+
+    def losses(model, bad, backend):
+        run = model
+        if backend is not None:
+            run = compiled.setdefault(id(model), torch.compile(model, backend=backend))
+        g = torch.Generator().manual_seed(2)
+        for micro in range(2):  # the overflow is in the first micro-batch only
+            x = torch.randn(3, 8, generator=g)
+            if bad and micro == 0:
+                x[0, 0] = float("inf")
+            yield run(x).pow(2).mean()
+
+    return losses
+
+
+@pytest.mark.parametrize("case", ["graph_break", "accumulation"])
+def test_make_backend_skips_overflow_in_any_backward_like_eager_scaler(case):
+    """Several backward graphs (graph break) or several backward calls (accumulation) per step:
+    the flags combine, so the step with one overflow is skipped as the eager scaler skips it."""
+    torch._dynamo.reset()
+    if case == "graph_break":
+        make, losses = _GraphBreak, _graph_break_losses()
+    else:
+        make, losses = (lambda: _linear()[0]), _accumulated_losses()
+    model, reference = make(), make()
+    reference.load_state_dict(model.state_dict())
+    got = _train_scaled(losses, model, 5, 2, backend_scaled=True)
+    want = _train_scaled(losses, reference, 5, 2, backend_scaled=False)
+    assert got[0] == want[0]  # same scale trajectory
+    assert got[2].get_num_skipped_steps().item() == want[2].get_num_skipped_steps().item() == 1
+    for i, (ws, rs) in enumerate(zip(got[1], want[1], strict=True)):
+        for w, r in zip(ws, rs, strict=True):
+            assert torch.isfinite(w).all(), i
+            torch.testing.assert_close(w, r, rtol=1e-6, atol=1e-7)
+    for w, r in zip(got[1][1], got[1][2], strict=True):
+        assert torch.equal(w, r)  # the skipped step left the weights as they were
+
+
+def test_make_backend_graph_break_float16_overflow_in_second_graph():
+    """The issue's float16 reproduction: ``h + off`` overflows float16 only in ``b``'s graph."""
+    torch._dynamo.reset()
+    model = _GraphBreak()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10)
+    cmodel = torch.compile(model, backend=dlspass.make_backend(
+        scaler=scaler, fp16_type="float16", backend_compiler="eager"))
+    x = torch.randn(3, 8)
+    for off in (0.0, 1e5, 0.0):  # 1e5 is finite in float32, past float16's 65504
+        before = [p.detach().clone() for p in model.parameters()]
+        cmodel(x, torch.full((8,), off)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        if off:
+            assert all(torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True))
+    assert scaler.get_num_skipped_steps().item() == 1
+    assert scaler.get_scale().item() == 2.0**9
+
+
+class _FusedQKV(torch.nn.Module):
+    """GPT-2's attention in small: one fused projection split into q, k, v, viewed per head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(16, -1)
+        b, t, _ = x.shape
+        q, k, v = (h.view(b, t, 2, 8).transpose(1, 2) for h in (q, k, v))
+        w = torch.matmul(q, k.transpose(-1, -2)).softmax(-1)
+        return torch.matmul(w, v).transpose(1, 2).reshape(b, t, 16).pow(2).mean()
+
+
+@pytest.mark.parametrize("entry", [
+    pytest.param("dlspass", marks=pytest.mark.slow), "no_mixed_precision",
+    pytest.param("make_backend", marks=pytest.mark.slow)])
+def test_fused_qkv_through_inductor_on_a_cold_cache(entry, tmp_path, monkeypatch):
+    """Inductor gets the AOT graphs the way its own backend hands them over (no re-trace of an
+    AOT graph: that failed with "Cannot view a tensor ..." on a cold cache)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    model, reference = _FusedQKV(), _FusedQKV()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))
+    scaler = dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10)
+    if entry == "make_backend":
+        cmodel = torch.compile(model, backend=dlspass.make_backend(scaler=scaler))
+    else:
+        cmodel = torch.compile(model, backend="dlspass",
+                               options={"mixed_precision": entry == "dlspass"})
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        loss = cmodel(x)
+        loss.backward()
+    ref = reference(x)
+    ref.backward()
+    tol = dict(rtol=0, atol=1e-6) if entry == "no_mixed_precision" else dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(loss, ref, **tol)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **tol)
+    if entry == "make_backend":
+        assert bool(scaler.backend_found_finite)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"mixed_precision": False}, {"fp16_type": "cbfloat16"}])
+def test_transformers_gpt2_through_backend_on_a_cold_cache(options, tmp_path, monkeypatch):
+    """transformers' GPT-2 (tiny config, random weights) trains through backend="dlspass"; the
+    AOT graphs handed to the top-level compile_fx failed in the re-trace ("Cannot view ...")."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    # no dropout: the compiled graphs and eager torch draw different random numbers
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    reference = transformers.GPT2LMHeadModel(cfg)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        loss = torch.compile(model, backend="dlspass", options=options)(input_ids=ids, labels=ids).loss
+        loss.backward()
+    ref = reference(input_ids=ids, labels=ids).loss
+    ref.backward()
+    tol = dict(rtol=1e-5, atol=1e-6) if options.get("mixed_precision") is False else dict(rtol=5e-2, atol=1e-3)
+    torch.testing.assert_close(loss, ref, **tol)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **tol)

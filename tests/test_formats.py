@@ -347,3 +347,49 @@ def test_eager_op_compiled_kernel_bitwise(monkeypatch):
         assert_same(F.round_to_format(x, "cbfloat16", saturate=s, flush_to_zero=z),
                     reference(x, "cbfloat16", s, z))
     assert len(F._COMPILED) == 4 and not F._compile_failed
+
+
+def _layouts() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 1000.0
+
+    return {
+        "transposed": r(3, 4).t(),
+        "permuted_3d": r(2, 3, 4).transpose(0, 1),
+        "permuted_4d": r(2, 3, 4, 5).permute(0, 2, 1, 3),
+        "sliced_step": r(4, 6)[:, ::2],
+        "sliced_window": r(4, 6)[1:3, 1:5],
+        "expanded": r(3, 1).expand(3, 4),
+        "channels_last": r(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "offset_transposed": r(5, 3, 4)[1:].transpose(1, 2),
+    }
+
+
+@pytest.mark.parametrize("switches", [(False, False), (True, True)])
+@pytest.mark.parametrize("name", list(FORMAT_PARAMS))
+@pytest.mark.parametrize("layout", list(_layouts()))
+def test_op_fake_and_decomposition_agree_on_strides(layout, name, switches):
+    """Eager kernel, fake kernel and decomposition give the same strides (and the eager values
+    are the reference's): a traced graph plans later views on the fake kernel's strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    s, z = switches
+    x = _layouts()[layout]
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return F.round_to_format(t, name, saturate=s, flush_to_zero=z)
+
+    eager = fn(x)
+    assert_same(eager.contiguous(), reference(x.contiguous(), name, s, z))
+    with FakeTensorMode() as mode:
+        fake = fn(mode.from_tensor(x))
+    gm = make_fx(fn, tracing_mode="fake")(x)
+    assert F.decompose_rounding(gm) == 1
+    out_val = gm.graph.output_node().args[0].meta["val"]
+    decomposed = gm(x)
+    assert_same(decomposed.contiguous(), eager.contiguous())
+    assert eager.stride() == fake.stride() == out_val.stride() == decomposed.stride(), (
+        eager.stride(), fake.stride(), out_val.stride(), decomposed.stride())
+    assert eager.stride() == torch.empty_like(x).stride()

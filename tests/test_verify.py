@@ -16,7 +16,7 @@ from stepgraph import mlp_step  # noqa: E402
 
 from dlspass import roles  # noqa: E402
 from dlspass.config import DLSConfig  # noqa: E402
-from dlspass.verify import VerificationError, verify  # noqa: E402
+from dlspass.invariants import VerificationError, verify  # noqa: E402
 
 aten = torch.ops.aten
 

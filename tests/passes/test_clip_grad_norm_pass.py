@@ -72,3 +72,27 @@ def test_no_clipping_configured_is_a_noop_and_idempotent() -> None:
     gm = apply_dls(mlp_step(cfg).gm, cfg)
     n = len(gm.graph.nodes)
     assert not ClipGradNormPass(cfg)(gm).modified and len(gm.graph.nodes) == n
+
+
+def test_unscaled_clipping_leaves_the_backwards_reads_of_a_gradient_unclipped() -> None:
+    """No scaling: clip reads the raw gradients, and BatchNorm's bias gradient, which its input
+    gradient reuses in the exported backward, stays unclipped there (conv -> BatchNorm ->
+    linear; the same model as in test_unscale_grads_pass.py)."""
+    from dlspass.passes._common import backward_nodes
+    from test_unscale_grads_pass import _exported_step
+
+    cfg = DLSConfig(loss_scale=None, mixed_precision=False, max_gradient_norm=0.05)
+    model, batch, gm, inputs = _exported_step(cfg)
+    inside = backward_nodes(gm.graph)
+    gm = apply_dls(gm, cfg)
+    for g in roles.nodes_with_role(gm.graph, roles.GRAD):
+        # the norm reads the raw gradient; the optimizer reads the clipped one
+        assert all(roles.role_of(u) in (roles.CLIP, roles.GRAD_NORM) or u in inside for u in g.users)
+    clipped = node_values(gm, inputs, _clip_nodes(gm))
+    loss = model(*batch)
+    torch.autograd.backward(loss)
+    total = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.05)
+    assert float(total) > 0.05  # the test really clips
+    ref = {k: p.grad for k, p in model.named_parameters()}
+    for n, v in zip(_clip_nodes(gm), clipped, strict=True):
+        torch.testing.assert_close(v, ref[roles.target_of(n)], rtol=1e-5, atol=1e-7)

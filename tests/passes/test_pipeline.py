@@ -154,7 +154,7 @@ def test_real_capture_adam_overflow_skips_bit_identically() -> None:
 
 
 def verify_ok(gm) -> bool:  # noqa: ANN001
-    from dlspass.verify import verify
+    from dlspass.invariants import verify
 
     return verify(gm)
 

@@ -91,3 +91,57 @@ def test_idempotent() -> None:
     assert not UnscaleGradsPass(cfg)(gm).modified
     gm.recompile()
     assert gm.code == code
+
+
+class _ConvBNLinear(torch.nn.Module):
+    """conv -> BatchNorm -> linear, loss = MSE: BatchNorm's bias gradient also feeds its input
+    gradient in the exported (decomposed) backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(3)
+        self.fc = torch.nn.Linear(3 * 4 * 4, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv(x)).flatten(1)
+        return torch.nn.functional.mse_loss(self.fc(h), y)
+
+
+def _exported_step(cfg: DLSConfig):  # noqa: ANN202
+    from dlspass.export_io import OptimizerSpec, build_step, joint_program
+
+    torch.manual_seed(0)
+    model = _ConvBNLinear()
+    batch = (torch.randn(4, 2, 4, 4), torch.randn(4, 2))
+    joint = joint_program(torch.export.export(model, batch), "conv_bn_linear")
+    gm, info = build_step(joint, OptimizerSpec(kind="sgd", lr=0.1), cfg, "conv_bn_linear")
+    inputs = [*info.params.values(), *info.buffers.values(), *info.opt_state.values(),
+              *info.scaler.values(), *info.hyper.values(), *batch]
+    return model, batch, gm, inputs
+
+
+def test_a_gradient_used_inside_the_backward_keeps_its_scaled_value_there() -> None:
+    from dlspass.passes._common import backward_nodes
+
+    cfg = DLSConfig(mixed_precision=False, initial_loss_scale=2.0**10)
+    model, batch, gm, inputs = _exported_step(cfg)
+    # the situation under test: some gradient is read by the backward itself
+    inside = backward_nodes(gm.graph)
+    grads = roles.nodes_with_role(gm.graph, roles.GRAD)
+    reused = {roles.target_of(g) for g in grads if any(u in inside for u in g.users)}
+    assert "bn.bias" in reused
+    for p in (ScaleSeedPass(cfg), UnscaleGradsPass(cfg)):
+        p(gm)
+    gm.recompile()
+    for g in roles.nodes_with_role(gm.graph, roles.GRAD):
+        # only the optimizer's read moved to the unscaled value; the backward's did not
+        assert all(roles.role_of(u) == roles.UNSCALE or u in inside for u in g.users)
+    unscaled = [n for n in roles.nodes_with_role(gm.graph, roles.UNSCALE) if roles.target_of(n)]
+    vals = node_values(gm, inputs, unscaled)
+    loss = model(*batch)  # eager fp32 autograd, no scaling: the reference
+    ref = dict(zip([k for k, _ in model.named_parameters()],
+                   torch.autograd.grad(loss, list(model.parameters())), strict=True))
+    assert {roles.target_of(n) for n in unscaled} == set(ref)
+    for n, v in zip(unscaled, vals, strict=True):
+        torch.testing.assert_close(v, ref[roles.target_of(n)], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,183 @@
+"""Read a ``torch.distributed.checkpoint`` folder without letting it run code.
+
+``dcp.load`` with the default file-system reader unpickles ``.metadata`` with ``pickle.load``
+and every non-tensor value with ``torch.load(weights_only=False)``
+(``torch/distributed/checkpoint/filesystem.py`` and ``default_planner.py``, torch 2.13), so a
+crafted folder runs code on load. ``load_untrusted`` reads the same format with:
+
+* ``.metadata`` through an unpickler that resolves only the metadata classes DCP writes
+  (``Metadata``, ``TensorStorageMetadata``, ..., ``torch.Size``, dtypes, layouts, paths), so
+  a pickle that names ``builtins.exec`` or any other callable fails to load;
+* every storage entry checked before torch reads it: a plain file name inside the folder, a
+  regular file, ``offset + length`` inside it, at most ``MAX_ITEM_BYTES``, no stream
+  transforms, and a torch.save zip whose members inflate within bounds (no zip bomb);
+* non-tensor values loaded with ``torch.load(weights_only=True)`` (tensors already are).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import stat
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .bounded_text import excerpt
+from .errors import DLSInputError
+
+MAX_METADATA_BYTES = 16 * 2**20
+MAX_ITEM_BYTES = 64 * 2**20
+
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class UnsafeCheckpointError(DLSInputError, ValueError):
+    """A checkpoint folder whose metadata or storage would run code or read outside it."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(f"the checkpoint metadata names {excerpt(f'{module}.{name}', 80)}, "
+                                    "which is not DCP metadata (loading it would run code)")
+
+
+def read_metadata(folder: Path) -> Any:
+    """The folder's ``.metadata`` unpickled with only DCP's metadata classes allowed."""
+    path = folder / ".metadata"
+    _regular(path, MAX_METADATA_BYTES)
+    try:
+        with open(path, "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+    except UnsafeCheckpointError as e:
+        raise UnsafeCheckpointError(f"{path}: {e}") from None
+    except Exception as e:  # a damaged pickle raises anything from EOFError to TypeError
+        raise UnsafeCheckpointError(f"{path}: unreadable DCP metadata "
+                                    f"({type(e).__name__}: {excerpt(str(e), 80)})") from None
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):
+        raise UnsafeCheckpointError(f"{path}: not DCP metadata")
+    for index, info in meta.storage_data.items():
+        _check_storage(folder, index, info)
+    return meta
+
+
+def _regular(path: Path, limit: int) -> int:
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise UnsafeCheckpointError(f"{path}: {e.strerror or 'cannot be read'}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeCheckpointError(f"{path}: not a regular file")
+    if st.st_size > limit:
+        raise UnsafeCheckpointError(f"{path}: {st.st_size:,} bytes (more than {limit:,})")
+    return st.st_size
+
+
+def _check_storage(folder: Path, index: Any, info: Any) -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    name = getattr(info, "relative_path", None)
+    if not isinstance(info, _StorageInfo) or not isinstance(name, str) or not name \
+            or os.sep in name or "/" in name or name in (".", "..") or "\0" in name:
+        raise UnsafeCheckpointError(f"{folder}: storage entry {excerpt(str(index), 80)} does not "
+                                    "name a file in the checkpoint folder")
+    if info.transform_descriptors:
+        raise UnsafeCheckpointError(f"{folder}: storage entry {excerpt(str(index), 80)} uses stream "
+                                    "transforms, which this reader does not run")
+    size = _regular(folder / name, 2**62)
+    offset, length = info.offset, info.length
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, length)) \
+            or offset < 0 or length < 0 or length > MAX_ITEM_BYTES or offset + length > size:
+        raise UnsafeCheckpointError(f"{folder}: storage entry {excerpt(str(index), 80)} lies "
+                                    f"outside {excerpt(name, 60)} or is too large")
+    # every item is a torch.save zip, which torch.load inflates to the sizes it declares
+    with open(folder / name, "rb") as f:
+        f.seek(offset)
+        blob = io.BytesIO(f.read(length))
+    from .pt2_archive import UnsafeArchiveError, check_zip_bounds
+
+    try:
+        if not zipfile.is_zipfile(blob):
+            raise UnsafeArchiveError("not in torch.save's zip format")
+        check_zip_bounds(blob, f"storage entry {excerpt(str(index), 80)}")
+    except UnsafeArchiveError as e:
+        raise UnsafeCheckpointError(f"{folder}: {e}") from None
+
+
+def _reader_and_planner(folder: Path, meta: Any) -> tuple[Any, Any]:
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("rank") is not None:
+                raise UnsafeCheckpointError(f"{folder}: per-rank metadata is not supported")
+            if getattr(meta, "storage_meta", None) is not None:
+                meta.storage_meta.load_id = self.load_id
+            return meta
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as e:
+                raise UnsafeCheckpointError(
+                    f"{folder}: value {excerpt(read_item.dest_index.fqn, 80)} cannot be loaded "
+                    f"without pickle ({type(e).__name__})") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Reader(str(folder)), Planner()
+
+
+def load_untrusted(state: dict[str, Any], checkpoint_id: str | os.PathLike[str],
+                   process_group: Any = None) -> None:
+    """``dcp.load(state, checkpoint_id=...)`` for a folder from an untrusted source."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    folder = Path(checkpoint_id)
+    if not folder.is_dir():
+        raise UnsafeCheckpointError(f"{folder}: no such checkpoint folder")
+    meta = read_metadata(folder)  # checked here: DCP would bury our error in its own
+    reader, planner = _reader_and_planner(folder, meta)
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner, process_group=process_group)
+    except DLSInputError:
+        raise
+    except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in the latter
+        cause = _first_dls_error(e)
+        if cause is not None:
+            raise type(cause)(str(cause)) from None
+        raise UnsafeCheckpointError(f"{folder}: cannot load the checkpoint "
+                                    f"({type(e).__name__}: {excerpt(str(e), 120)})") from None
+
+
+def _first_dls_error(exc: BaseException) -> DLSInputError | None:
+    """The DLSInputError a DCP ``CheckpointException`` wraps (it keeps a failure per rank)."""
+    failures = getattr(exc, "failures", None) or {}
+    for failure in failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, DLSInputError):
+            return inner
+    return None

@@ -1,0 +1,136 @@
+"""The shape of the dlspass metadata a file carries, checked once when the file is read.
+
+A ``.pt2`` carries ``dlspass.json`` (an extra file) and an ``.onnx`` carries ``dlspass.json``
+and ``dlspass_roles`` in ``metadata_props``. ``inspect``, ``verify`` and ``transform`` index
+into them (``meta["output_roles"]``, ``role, target = ...``), so a file whose metadata has a
+wrong type, a missing key or an extra level of nesting would fail deep inside with a
+``KeyError`` or ``TypeError`` (exit 3, a traceback). ``check_pt2_meta`` and ``check_onnx_meta``
+refuse such metadata up front with a one-line ``MetadataError`` (exit 2) naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .bounded_text import excerpt
+from .errors import DLSInputError
+
+
+class MetadataError(DLSInputError, ValueError):
+    """A file's dlspass metadata does not have the shape dlspass writes."""
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+def _dict_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, dict) and all(_is_str(k) and check(x) for k, x in v.items())
+
+
+def _role_pair(v: Any) -> bool:
+    """``[role, target]``: a role name and its target (a string or null)."""
+    return isinstance(v, list) and len(v) == 2 and _is_str(v[0]) and _opt(_is_str)(v[1])
+
+
+def _is_dict(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+# key -> (check, what it should be); absent keys are fine unless listed as required below
+_PT2_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "format": (_is_str, "a string"),
+    "version": (_is_int, "an integer"),
+    "kind": (_is_str, "a string"),
+    "source": (_is_str, "a string"),
+    "config": (_opt(_is_dict), "an object or null"),
+    "optimizer": (_opt(_is_dict), "an object or null"),
+    "precision_mode": (_opt(_is_str), "a string or null"),
+    "output_roles": (_list_of(_role_pair), "a list of [role, target] pairs"),
+    "placeholder_roles": (_dict_of(_role_pair), "an object of [role, target] pairs"),
+    "buffer_names": (_dict_of(_is_str), "an object of strings"),
+    "inputs": (_list_of(_is_str), "a list of strings"),
+    "applied_passes": (_list_of(_is_str), "a list of strings"),
+}
+_STEP_REQUIRED = ("output_roles", "config", "optimizer", "precision_mode")
+
+_ONNX_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **_PT2_KEYS,
+    "state_inputs": (_list_of(_is_str), "a list of strings"),
+    "user_inputs": (_list_of(_is_str), "a list of strings"),
+    "outputs": (_list_of(_is_str), "a list of strings"),
+    "state_inputs_dls": (_list_of(_is_str), "a list of strings"),
+    "precision": (_is_dict, "an object"),
+}
+
+
+def _check_keys(meta: Any, keys: dict[str, tuple[Callable[[Any], bool], str]], where: str) -> None:
+    if not isinstance(meta, dict):
+        raise MetadataError(f"{where}: expected a JSON object, got {excerpt(meta)}")
+    for key, (check, want) in keys.items():
+        if key in meta and not check(meta[key]):
+            raise MetadataError(f"{where}: {key!r} must be {want}, got {excerpt(meta[key])}")
+    cfg = meta.get("config")
+    if cfg is not None:
+        from .config import DLSConfig
+
+        try:
+            DLSConfig(**cfg)  # what the passes' recorded_config does with it
+        except Exception as e:
+            raise MetadataError(f"{where}: 'config' is not a dlspass config ({type(e).__name__}: "
+                                f"{excerpt(str(e), 120)})") from None
+
+
+def check_pt2_meta(meta: Any, where: str, n_outputs: int | None = None) -> None:
+    """Raise ``MetadataError`` unless ``meta`` (a ``.pt2``'s parsed ``dlspass.json``, or None)
+    has the shape dlspass writes; a step's ``output_roles`` must cover ``n_outputs`` outputs."""
+    if meta is None:
+        return
+    where = f"{where}: dlspass.json"
+    _check_keys(meta, _PT2_KEYS, where)
+    if not str(meta.get("format", "")).startswith("dlspass-"):
+        raise MetadataError(f"{where}: no 'format' of a dlspass file (dlspass-joint or dlspass-step)")
+    if meta.get("kind") == "step":
+        missing = [k for k in _STEP_REQUIRED if k not in meta]
+        if missing:
+            raise MetadataError(f"{where}: a step needs {', '.join(map(repr, missing))}")
+        if n_outputs is not None and len(meta["output_roles"]) != n_outputs:
+            raise MetadataError(f"{where}: 'output_roles' names {len(meta['output_roles'])} "
+                                f"outputs, the program has {n_outputs}")
+
+
+def check_onnx_meta(props: Mapping[str, str], where: str) -> None:
+    """Raise ``MetadataError`` unless the ``dlspass.json`` and ``dlspass_roles`` entries of an
+    ONNX model's ``metadata_props`` (when present) are JSON of the shape dlspass writes."""
+    for key, check in (("dlspass.json", lambda v: _check_keys(v, _ONNX_KEYS, f"{where}: dlspass.json")),
+                       ("dlspass_roles", lambda v: _check_roles(v, f"{where}: dlspass_roles"))):
+        raw = props.get(key)
+        if not raw:
+            continue
+        try:
+            value = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise MetadataError(f"{where}: metadata {key} is not valid JSON: {excerpt(raw)}") from None
+        check(value)
+
+
+def _check_roles(value: Any, where: str) -> None:
+    if not _dict_of(_role_pair)(value):
+        bad = next((k for k, v in value.items() if not _role_pair(v)), None) \
+            if isinstance(value, dict) else None
+        shown = excerpt(value) if bad is None else f"{excerpt(bad)}: {excerpt(value[bad])}"
+        raise MetadataError(f"{where}: expected an object of [role, target] pairs, got {shown}")

@@ -1,0 +1,205 @@
+"""Crafted but well-formed hostile files for the tests in this folder (valid zips, JSON, pickles,
+ONNX protobufs).
+
+Every payload that would run code writes the sentinel file ``PWNED`` into the current folder,
+so a test runs the command in a fresh folder and asserts the sentinel never appears.
+``run_cli`` runs ``dlspass`` in a subprocess under a time limit and reports its exit code,
+stderr, wall time and peak RSS (the child's own ``ru_maxrss``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import time
+import warnings
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SENTINEL = "PWNED"
+PAYLOAD = f"open({SENTINEL!r},'w').write('x')"
+TESTS = Path(__file__).resolve().parents[1]
+
+
+class Exec:
+    """Unpickling this runs ``PAYLOAD`` (the pickle names ``builtins.exec``, not this class)."""
+
+    def __reduce__(self) -> tuple:
+        return (exec, (PAYLOAD,))
+
+
+def evil_torch_save() -> bytes:
+    """``torch.save`` of an ``Exec`` (what ``torch.load(weights_only=False)`` would run)."""
+    buf = io.BytesIO()
+    torch.save((Exec(),), buf)
+    return buf.getvalue()
+
+
+def evil_pickle() -> bytes:
+    return pickle.dumps(Exec())
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).relu().sum()
+
+
+def save_tiny(path: Path, *, dynamic: bool = False) -> Path:
+    """A valid ``.pt2`` of a tiny program (static, or with a dynamic batch size)."""
+    torch.manual_seed(0)
+    shapes = ({0: torch.export.Dim("batch", min=2, max=64)},) if dynamic else None
+    ep = torch.export.export(Tiny(), (torch.randn(3, 4),), dynamic_shapes=shapes)
+    torch.export.save(ep, str(path))
+    return path
+
+
+def members(path: Path) -> tuple[str, dict[str, bytes]]:
+    """The archive's root folder and its members by name relative to it, in order."""
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+        root = names[0].split("/", 1)[0]
+        return root, {n.split("/", 1)[1]: z.read(n) for n in names}
+
+
+def rewrite(src: Path, dst: Path, changes: dict[str, bytes | None], *, root: str | None = None,
+            extra_raw: list[tuple[str, bytes]] | None = None) -> Path:
+    """Copy ``src`` to ``dst`` with members replaced, added (bytes) or dropped (None), all stored
+    uncompressed like torch writes them; ``extra_raw`` adds members by full name (duplicates
+    and names outside the root folder included)."""
+    old_root, files = members(src)
+    root = root or old_root
+    for rel, data in changes.items():
+        if data is None:
+            files.pop(rel, None)
+        else:
+            files[rel] = data
+    with zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as z:
+        for rel, data in files.items():
+            z.writestr(f"{root}/{rel}", data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Duplicate name": the point of some cases
+            for name, data in extra_raw or []:
+                z.writestr(name, data)
+    return dst
+
+
+def edit_json(src: Path, dst: Path, rel: str, edit) -> Path:
+    _, files = members(src)
+    obj = json.loads(files[rel])
+    edit(obj)
+    return rewrite(src, dst, {rel: json.dumps(obj).encode()})
+
+
+def deflate_bomb(src: Path, dst: Path, rel: str, inflated: int, *, declared: int | None = None) -> Path:
+    """``src`` with member ``rel`` replaced by ``inflated`` spaces, deflated (about 1:1000),
+    its CRC correct; ``declared`` (default: the truth) is the size the zip directory states.
+
+    The deflate stream is one fully flushed block of 4 MiB of spaces repeated: each such block
+    is byte-aligned and independent of what came before, so the stream is valid without
+    compressing 2 GiB."""
+    chunk = 4 * 2**20
+    assert inflated % chunk == 0
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = c.compress(b" " * chunk) + c.flush(zlib.Z_FULL_FLUSH)
+    end = zlib.compressobj(9, zlib.DEFLATED, -15).flush()
+    n = inflated // chunk
+    crc = 0
+    spaces = b" " * chunk
+    for _ in range(n):
+        crc = zlib.crc32(spaces, crc)
+    size = inflated if declared is None else declared
+    tmp = dst.with_suffix(".base.zip")
+    rewrite(src, tmp, {rel: None})
+    root, files = members(tmp)
+    tmp.unlink()
+    out = bytearray()
+    central = bytearray()
+
+    def add(name: bytes, method: int, crc32: int, csize: int, usize: int, write_data) -> None:
+        offset = len(out)
+        out.extend(struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0, crc32, csize,
+                               usize, len(name), 0) + name)
+        write_data()
+        central.extend(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, method, 0, 0,
+                                   crc32, csize, usize, len(name), 0, 0, 0, 0, 0, offset) + name)
+
+    for r, data in files.items():
+        add(f"{root}/{r}".encode(), 0, zlib.crc32(data), len(data), len(data),
+            lambda data=data: out.extend(data))
+    csize = len(block) * n + len(end)
+    add(f"{root}/{rel}".encode(), 8, crc, csize, size,
+        lambda: (out.extend(block * n), out.extend(end)))
+    eocd = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(files) + 1, len(files) + 1,
+                       len(central), len(out), 0)
+    dst.write_bytes(bytes(out) + bytes(central) + eocd)
+    return dst
+
+
+def chain_onnx(n: int, op: str = "Identity", *, names: dict[int, str] | None = None,
+               passes: dict[int, str] | None = None) -> Any:
+    """x -> n x ``op`` -> MatMul(., w) -> output ``grad.w`` (a training graph's gradient);
+    node ``i`` is named ``names[i]`` (default ``n<i>``) and tagged ``dlspass_pass=passes[i]``."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes, prev = [], "x"
+    for i in range(n):
+        node = helper.make_node(op, [prev], [f"c{i}"], name=(names or {}).get(i, f"n{i}"))
+        if passes and i in passes:
+            entry = node.metadata_props.add()
+            entry.key, entry.value = "dlspass_pass", passes[i]
+        nodes.append(node)
+        prev = f"c{i}"
+    nodes.append(helper.make_node("MatMul", [prev, "w"], ["grad.w"], name="mm"))
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("grad.w", TensorProto.FLOAT, [4, 4])], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@dataclass
+class Result:
+    rc: int
+    stderr: str
+    seconds: float
+    peak_rss_mb: float
+
+
+_RUNNER = """
+import resource, sys
+from dlspass.cli import run
+try:
+    rc = run(sys.argv[2:])
+finally:
+    with open(sys.argv[1], "w") as f:
+        f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+sys.exit(rc)
+"""
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 60.0) -> Result:
+    """``dlspass ARGS`` in a subprocess in ``cwd`` (exit code, stderr, seconds, peak RSS)."""
+    rss_file = cwd / ".peak_rss"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
+    env.pop("DLSPASS_DEBUG", None)
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(rss_file), *map(str, args)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    seconds = time.monotonic() - t
+    rss_kb = float(rss_file.read_text()) if rss_file.exists() else float("nan")
+    rss_file.unlink(missing_ok=True)
+    return Result(proc.returncode, proc.stderr, seconds, rss_kb / 1024)
