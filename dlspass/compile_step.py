@@ -7,7 +7,7 @@ purpose), so while the compiled step runs:
 
 1. ``optimizer.step`` / ``optimizer.zero_grad`` are replaced on the instance by torch.optim's
    math in functional form (``dlspass.capture.optim.update_one``: SGD, Adam, AdamW) that reads
-   the hyperparameters from 0-d float64 tensors (graph inputs: a scheduler changing lr does not
+   the hyperparameters from float64 tensors (graph inputs: a scheduler changing lr does not
    recompile) and writes parameters, optimizer state and the (passed-through) scaler state back
    in place, which AOTAutograd turns into graph outputs;
 2. parameters, gradients, optimizer state, scaler state, hyperparameters and updates are
