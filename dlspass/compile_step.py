@@ -7,7 +7,7 @@ purpose), so while the compiled step runs:
 
 1. ``optimizer.step`` / ``optimizer.zero_grad`` are replaced on the instance by torch.optim's
    math in functional form (``dlspass.capture.optim.update_one``: SGD, Adam, AdamW) that reads
-   the hyperparameters from 0-d float64 tensors (graph inputs: a scheduler changing lr does not
+   the hyperparameters from float64 tensors (graph inputs: a scheduler changing lr does not
    recompile) and writes parameters, optimizer state and the (passed-through) scaler state back
    in place, which AOTAutograd turns into graph outputs;
 2. parameters, gradients, optimizer state, scaler state, hyperparameters and updates are
@@ -204,10 +204,13 @@ class _StepContext:
                         self.flags[id(p)] = torch.tensor(id(p) not in created, device=p.device)
                 if id(p) in created:
                     self._created[id(p)] = (p, created[id(p)])
-        # every hyperparameter is a live 0-d float64 tensor (a graph input, refreshed before each
+        # every hyperparameter is a live float64 tensor (a graph input, refreshed before each
         # call), so a scheduler changing lr or weight decay never recompiles; only the plans'
-        # static options (momentum on/off, nesterov, amsgrad, ...) are baked into the graph
-        self.hyper = [{k: torch.zeros((), dtype=torch.float64, device=device)
+        # static options (momentum on/off, nesterov, amsgrad, ...) are baked into the graph.
+        # Shape (1,), viewed as 0-d in the graph: dynamo takes a 0-d float64 CPU input for a
+        # Python float, fails to keep it symbolic and restarts the whole trace (twice the
+        # dynamo + AOTAutograd time of the first call, and of every warm start).
+        self.hyper = [{k: torch.zeros((1,), dtype=torch.float64, device=device)
                        for k in self.fopt.hyper_keys()} for _ in opt.param_groups]
         # the traced code reads these copies, never param_groups itself: dynamo guards every
         # value of a dict it iterates, so reading a group would bake its values in as constants
@@ -257,7 +260,8 @@ class _StepContext:
             raise CompileError("optimizer.step(closure) is not supported inside dlspass.compile")
         with torch.no_grad():
             for gi, (params, plan) in enumerate(zip(self.params, self.plans, strict=True)):
-                hyper = {k: mark(t, roles.HYPER, f"group{gi}.{k}") for k, t in self.hyper[gi].items()}
+                hyper = {k: mark(t, roles.HYPER, f"group{gi}.{k}").reshape(())
+                         for k, t in self.hyper[gi].items()}
                 for p in params:
                     if p.grad is None:
                         continue

@@ -1,12 +1,24 @@
-"""``dlspass demo``: train the bundled TinyGPT through ``dlspass.compile`` in emulated cbfloat16.
+"""``dlspass demo``: what dynamic loss scaling is for, on a step compiled to fused kernels.
 
-The whole training step (forward, backward, dynamic loss scaling, Adam) is one graph made by
-``dlspass.compile``: the precision pass rounds every matmul's inputs and outputs, forward and
-backward, to cbfloat16 (emulated in fp32 containers), the DLS passes scale the backward seed,
-unscale and check the gradients, guard the update and update the scale, with no host sync. The
-same compiled graph then trains a fresh copy of the model with the scale held at 1 (the
-unscaled run), so one compile serves both, and an inspect report of the rewritten graph is
-written next to the metrics.
+The bundled TinyGPT learns a copy task three times from the same weights and batches:
+
+1. in float32 with plain eager torch (the reference);
+2. in float16 mixed precision through ``dlspass.compile`` without loss scaling;
+3. in float16 through ``dlspass.compile`` with dynamic loss scaling (DLS).
+
+The loss is weighted by ``2**-20`` (as a loss divided by a large normaliser or a small auxiliary
+weight), which Adam does not mind in float32 but which puts the float16 gradients of the
+matmuls below float16's smallest subnormal (``2**-24``): without scaling they flush to zero and
+the model does not learn, while the DLS run, its backward scaled by ``2**15``, tracks float32.
+A loss spike injected into the DLS run overflows float16; DLS skips that step, halves the scale
+and grows it back. float16 is emulated (values rounded to float16 in float32 containers,
+forward and backward, on every matmul's inputs and outputs), the same lowering ``dlspass.compile``
+applies for any 16-bit format.
+
+Each float16 step (forward, backward, DLS, Adam) is one graph compiled by inductor to fused C++
+kernels; the report counts the kernels each step launches (``dlspass.kernel_count``), so the
+difference is what DLS costs. ``backend_compiler="eager"`` runs the same graphs on eager kernels
+(for machines without a C++ compiler; `cpp_compiler_available` tells).
 
 ``emulate_format`` (eager hooks that round nn.Linear inputs, outputs and their gradients) is
 kept for eager studies that compare against torch.amp.GradScaler.
@@ -18,7 +30,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,15 +40,22 @@ from torch import Tensor, nn
 
 from .models import TinyGPT, copy_task_batch, gpt_loss
 
-__all__ = ["emulate_format", "format_summary", "run_demo"]
+__all__ = ["cpp_compiler_available", "default_spikes", "emulate_format", "format_summary", "run_demo"]
 
-# Small enough for ~0.05 s per step on one CPU core, big enough to learn the copy task.
+# Small enough for a few ms per step on one CPU core, big enough to learn the copy task.
 _VOCAB, _DIM, _LAYERS, _HEADS, _SEQ, _BATCH = 16, 32, 2, 2, 16, 16
 _LR = 1e-2
+# Adam divides by sqrt(v) + eps; with gradients near 2**-30 torch's default eps (1e-8) would
+# swamp them, so eps is far below the gradients (the float32 reference learns as without the
+# weight).
+_EPS = 1e-16
+_FORMAT = "float16"
+# The loss weight: the gradients of the logits are about 2**-8 / 256 (batch x sequence) times
+# this, about 2**-36 .. 2**-30, below float16's smallest subnormal 2**-24.
+LOSS_WEIGHT = 2.0**-20
 _STEPS_PER_INCREASE = 10
-# A loss spike: 2**31 * 2**24 pushes the gradients far past cbfloat16's max (~2**32).
-_SPIKE = 2.0**24
-
+# A loss spike: at a scale of 2**15 the spiked gradients are far past float16's max (65504).
+_SPIKE = 2.0**40
 
 @contextmanager
 def emulate_format(model: nn.Module, fmt: str = "cbfloat16"):
@@ -74,7 +93,25 @@ def emulate_format(model: nn.Module, fmt: str = "cbfloat16"):
             h.remove()
 
 
-def _progress(steps: int, quiet: bool, label: str = "dlspass demo"):
+
+def cpp_compiler_available() -> bool:
+    """True when inductor finds a C++ compiler (its own search: ``$CXX``, else ``g++``)."""
+    from torch._inductor import exc
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except (exc.InvalidCxxCompiler, OSError):
+        return False
+    return True
+
+
+def default_spikes(steps: int) -> tuple[int, ...]:
+    """The demo's spike: a quarter into the run, early enough for the scale to grow back."""
+    return (max(1, steps // 4),) if steps >= 4 else ()
+
+
+def _progress(steps: int, quiet: bool, label: str):  # noqa: ANN202 - a tqdm bar
     from tqdm import tqdm
 
     # tqdm writes plain carriage-return updates when stderr is not a terminal (CI), and
@@ -85,23 +122,26 @@ def _progress(steps: int, quiet: bool, label: str = "dlspass demo"):
 
 def run_demo(steps: int = 100, seed: int = 0, out_dir: str | Path | None = None,
              quiet: bool = False, spikes: Sequence[int] = (), *, compare: bool = True,
-             backend_compiler: str = "eager") -> dict[str, Any]:
-    """Train TinyGPT on the copy task for ``steps`` steps through ``dlspass.compile`` with DLS.
+             backend_compiler: str = "inductor") -> dict[str, Any]:
+    """Train TinyGPT on the copy task in float16 with DLS through ``dlspass.compile``.
 
-    Returns the numbers of the run: ``start_loss``/``end_loss`` (fp32 loss of one fixed held-out
-    batch before and after training), ``first_train_loss``/``last_train_loss``,
-    ``initial_scale``, ``final_scale``, ``skipped_steps``, ``steps``, ``seed``, ``seconds``,
-    the per-step ``losses``/``scales``/``skipped`` lists, ``graph_breaks`` and, with
-    ``compare``, ``unscaled`` (the same numbers for the run at scale 1). With ``out_dir`` the
-    dict goes to ``out_dir/demo_metrics.json`` and the inspect report of the rewritten graph to
-    ``out_dir/report.html``. ``backend_compiler="inductor"`` compiles fused kernels (about two
-    minutes of compile time on 2 cores); the default runs the same graph with eager kernels.
+    Returns the DLS run's numbers at the top level: ``start_loss``/``end_loss`` (float32 loss of
+    one fixed held-out batch before and after training), ``first_train_loss``/
+    ``last_train_loss``, ``initial_scale``, ``final_scale``, ``skipped_steps``, the per-step
+    ``losses``/``scales``/``skipped`` lists; and ``steps``, ``seed``, ``spikes``, ``format``,
+    ``loss_weight``, ``backend_compiler``, ``graph_breaks``, ``seconds``, ``compile_seconds``.
+    With ``compare`` also ``fp32`` (plain eager torch in float32) and ``unscaled`` (float16
+    through ``dlspass.compile`` without loss scaling), each with the same loss numbers, and,
+    with inductor, ``kernels``: the generated-kernel launches per step with and without DLS and
+    their difference. With ``out_dir`` the dict goes to ``out_dir/demo_metrics.json`` and the
+    inspect report of the DLS graph to ``out_dir/report.html``.
 
-    ``spikes`` lists 1-based steps whose loss is multiplied by 2**24 before the backward, a
-    loss spike whose cbfloat16 gradients overflow: DLS skips those steps and halves the scale.
+    ``spikes`` lists 1-based steps of the DLS run whose loss is multiplied by 2**40 before the
+    backward, a loss spike whose float16 gradients overflow: DLS skips those steps and halves
+    the scale. ``backend_compiler="eager"`` runs the compiled graphs on eager kernels.
 
     Example:
-        >>> r = run_demo(steps=5, quiet=True, compare=False)  # doctest: +SKIP
+        >>> r = run_demo(steps=5, quiet=True, compare=False, backend_compiler="eager")  # doctest: +SKIP
         >>> r["graph_breaks"]  # doctest: +SKIP
         0
     """
@@ -129,100 +169,126 @@ def run_demo(steps: int = 100, seed: int = 0, out_dir: str | Path | None = None,
         torch.set_num_threads(threads)
 
 
-def _hold_scale_at_one(scaler: Any) -> None:
-    """Make the compiled step run unscaled: scale 1, and a growth counter so far below
-    ``steps_per_increase`` that the cerebras policy never grows it during the demo (the
-    policy only shrinks on overflow, which scale 1 does not provoke here)."""
-    st = scaler.state
-    scaler.state = st._replace(loss_scale=torch.ones_like(st.loss_scale),
-                               non_clamped_scale=torch.ones_like(st.loss_scale),
-                               steps_since_rescale=torch.full_like(st.steps_since_rescale, -(2**40)),
-                               overflows_since_rescale=torch.zeros_like(st.overflows_since_rescale),
-                               num_skipped_steps=torch.zeros_like(st.num_skipped_steps))
+def _model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = TinyGPT(vocab=_VOCAB, d=_DIM, n_layer=_LAYERS, n_head=_HEADS, block_size=_SEQ)
+    return model, torch.optim.Adam(model.parameters(), lr=_LR, eps=_EPS)
 
 
-def _reset(model: nn.Module, opt: torch.optim.Optimizer, params: dict[str, Tensor]) -> None:
-    """Back to the initial weights and a fresh optimizer, in place (the compiled graph keeps
-    references to these tensors)."""
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            v.copy_(params[k])
-        for st in opt.state.values():
-            for v in st.values():
-                if torch.is_tensor(v):
-                    v.zero_()
+def _step_fn(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    import torch.nn.functional as F
+
+    def train_step(idx: Tensor, tgt: Tensor, spike: Tensor) -> Tensor:
+        logits = model(idx)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+        (loss * LOSS_WEIGHT * spike).backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return train_step
 
 
 def _train(steps: int, seed: int, out_dir: str | Path | None, quiet: bool,
            spikes: frozenset[int], compare: bool, backend_compiler: str) -> dict[str, Any]:
     import torch._dynamo.utils as dynamo_utils
-    import torch.nn.functional as F
 
     from .compile_step import compile as dls_compile
     from .scaler import GradScaler
 
     t0 = time.perf_counter()
-    torch.manual_seed(seed)
-    model = TinyGPT(vocab=_VOCAB, d=_DIM, n_layer=_LAYERS, n_head=_HEADS, block_size=_SEQ)
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.Adam(model.parameters(), lr=_LR)
-    scaler = GradScaler(loss_scale="dynamic", fp16_type="cbfloat16",
-                        steps_per_increase=_STEPS_PER_INCREASE)
-
-    def train_step(idx: Tensor, tgt: Tensor, spike: Tensor) -> Tensor:
-        logits = model(idx)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-        (loss * spike).backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    step = dls_compile(train_step, optimizer=opt, scaler=scaler, fp16_type="cbfloat16",
-                       backend_compiler=backend_compiler)
     held_out = copy_task_batch(_VOCAB, _BATCH, _SEQ, torch.Generator().manual_seed(seed + 10_000))
     breaks_before = sum(dynamo_utils.counters["graph_break"].values())
+    codes: dict[str, list[str]] = {}
+    compile_seconds = 0.0
 
-    def run(label: str) -> dict[str, Any]:
+    def run(label: str, step: Callable, scaler: GradScaler | None, spiked: frozenset[int],
+            model: nn.Module) -> dict[str, Any]:
+        nonlocal compile_seconds
         gen = torch.Generator().manual_seed(seed)
         losses: list[float] = []
         scales: list[float] = []
         skipped: list[int] = []
         start_loss = _eval(model, held_out)
-        initial_scale = float(scaler.get_scale())
         bar = _progress(steps, quiet, label)
         for i in bar:
             idx, tgt = copy_task_batch(_VOCAB, _BATCH, _SEQ, gen)
-            scales.append(float(scaler.get_scale()))  # the scale this step's backward uses
-            spike = torch.tensor(_SPIKE if i + 1 in spikes else 1.0)
-            loss = step(idx, tgt, spike)
+            spike = torch.tensor(_SPIKE if i + 1 in spiked else 1.0)
+            if scaler is not None:
+                scales.append(float(scaler.get_scale()))  # the scale this step's backward uses
+            if i == 0 and label in _COMPILED_RUNS:
+                t1 = time.perf_counter()
+                loss, codes[label] = _first_call(step, backend_compiler, idx, tgt, spike)
+                compile_seconds += time.perf_counter() - t1
+            else:
+                loss = step(idx, tgt, spike)
             losses.append(float(loss))
-            skipped.append(int(scaler.get_num_skipped_steps()))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", scale=f"2^{math.log2(scales[-1]):.0f}",
-                            skipped=skipped[-1], refresh=False)
+            post = {"loss": f"{losses[-1]:.3f}"}
+            if scaler is not None:
+                skipped.append(int(scaler.get_num_skipped_steps()))
+                post.update(scale=f"2^{math.log2(scales[-1]):.0f}", skipped=str(skipped[-1]))
+            bar.set_postfix(post, refresh=False)
         bar.close()
-        return {"start_loss": start_loss, "end_loss": _eval(model, held_out),
-                "first_train_loss": losses[0], "last_train_loss": losses[-1],
-                "initial_scale": initial_scale, "final_scale": float(scaler.get_scale()),
-                "skipped_steps": int(scaler.get_num_skipped_steps()),
-                "losses": losses, "scales": scales, "skipped": skipped}
+        out: dict[str, Any] = {"start_loss": start_loss, "end_loss": _eval(model, held_out),
+                               "first_train_loss": losses[0], "last_train_loss": losses[-1],
+                               "losses": losses}
+        if scaler is not None:
+            out.update(initial_scale=scales[0], final_scale=float(scaler.get_scale()),
+                       skipped_steps=int(scaler.get_num_skipped_steps()), scales=scales,
+                       skipped=skipped)
+        return out
 
-    dls = run("DLS")
     result: dict[str, Any] = {"steps": steps, "seed": seed, "spikes": sorted(spikes),
-                              "format": "cbfloat16", "backend_compiler": backend_compiler, **dls}
+                              "format": _FORMAT, "loss_weight": LOSS_WEIGHT,
+                              "backend_compiler": backend_compiler}
     if compare:
-        _reset(model, opt, initial)
-        _hold_scale_at_one(scaler)
-        unscaled = run("scale 1")
-        result["unscaled"] = {k: v for k, v in unscaled.items() if k not in ("scales",)}
+        model, opt = _model_and_optimizer(seed)
+        result["fp32"] = run("fp32 (eager)", _step_fn(model, opt), None, frozenset(), model)
+        model, opt = _model_and_optimizer(seed)
+        plain = dls_compile(_step_fn(model, opt), optimizer=opt, fp16_type=_FORMAT,
+                            backend_compiler=backend_compiler)
+        result["unscaled"] = run(_UNSCALED, plain, None, frozenset(), model)
+    model, opt = _model_and_optimizer(seed)
+    scaler = GradScaler(loss_scale="dynamic", fp16_type=_FORMAT, steps_per_increase=_STEPS_PER_INCREASE)
+    step = dls_compile(_step_fn(model, opt), optimizer=opt, scaler=scaler, fp16_type=_FORMAT,
+                       backend_compiler=backend_compiler)
+    result.update(run(_DLS, step, scaler, spikes, model))
     result["graph_breaks"] = sum(dynamo_utils.counters["graph_break"].values()) - breaks_before
+    result["kernels"] = _kernels(codes) if backend_compiler == "inductor" else None
+    result["compile_seconds"] = round(compile_seconds, 3)
     result["seconds"] = round(time.perf_counter() - t0, 3)
     if out_dir is not None:
         from .inspect_report import render, summarize_graph
 
-        report = summarize_graph(step.graphs[0], name="dlspass demo: compiled TinyGPT step")
+        report = summarize_graph(step.graphs[0], name="dlspass demo: compiled TinyGPT step (float16, DLS)")
         _write(Path(out_dir) / "report.html", render(report, "html"))
         _write(Path(out_dir) / "demo_metrics.json", json.dumps(result, indent=2) + "\n")
     return result
+
+
+_UNSCALED = "float16, no scaling"
+_DLS = "float16 + DLS"
+_COMPILED_RUNS = (_UNSCALED, _DLS)
+
+
+def _first_call(step: Callable, backend_compiler: str, *args: Tensor) -> tuple[Tensor, list[str]]:
+    """Call the compiled step the first time (it compiles), keeping inductor's output code."""
+    if backend_compiler != "inductor":
+        return step(*args), []
+    from torch._inductor.utils import run_and_get_code
+
+    return run_and_get_code(step, *args)
+
+
+def _kernels(codes: dict[str, list[str]]) -> dict[str, Any]:
+    from .kernel_count import count_kernels
+
+    counts = {label: count_kernels(c) for label, c in codes.items()}
+    out: dict[str, Any] = {"dls": vars(counts[_DLS]) if _DLS in counts else None,
+                           "no_dls": vars(counts[_UNSCALED]) if _UNSCALED in counts else None}
+    if out["dls"] and out["no_dls"]:
+        out["dls_added"] = out["dls"]["launches"] - out["no_dls"]["launches"]
+    return out
 
 
 def _write(path: Path, text: str) -> None:
@@ -241,24 +307,56 @@ def _eval(model: nn.Module, batch: tuple[Tensor, Tensor]) -> float:
         model.train(was_training)
 
 
+def _exp2(v: float) -> str:
+    return f"2^{math.log2(v):g}"
+
+
 def format_summary(result: dict[str, Any]) -> str:
     """The human summary ``dlspass demo`` prints to stdout."""
-    scale = result["final_scale"]
     lines = [
-        f"dlspass demo: TinyGPT, copy task, emulated {result['format']}, dynamic loss scaling, "
-        f"one compiled graph per step ({result['graph_breaks']} graph breaks, "
+        f"dlspass demo: TinyGPT on a copy task, {result['format']} mixed precision (emulated), "
+        f"loss weighted by {_exp2(result['loss_weight'])}",
+        f"each {result['format']} step is one compiled graph ({result['graph_breaks']} graph breaks, "
         f"{result['backend_compiler']} kernels)",
-        f"steps          {result['steps']}",
-        f"start loss     {result['start_loss']:.4f}   (held-out batch, fp32)",
-        f"end loss       {result['end_loss']:.4f}",
-        f"initial scale  {result['initial_scale']:g} (2^{math.log2(result['initial_scale']):g})",
-        f"final scale    {scale:g} (2^{math.log2(scale):g})",
-        f"skipped steps  {result['skipped_steps']}"
-        + (f"   (loss spikes at steps {', '.join(map(str, result['spikes']))})" if result["spikes"] else ""),
+        "",
+        f"{'run':<22}{'held-out loss: start':>22}{'end':>9}{'skipped':>9}  final scale",
     ]
-    if "unscaled" in result:
-        u = result["unscaled"]
-        lines.append(f"unscaled run   end loss {u['end_loss']:.4f}, skipped {u['skipped_steps']} "
-                     f"(same compiled graph, scale held at 1) vs DLS end loss {result['end_loss']:.4f}")
-    lines.append(f"time           {result['seconds']:.1f} s")
+    rows = []
+    if "fp32" in result:
+        rows.append(("float32 (eager torch)", result["fp32"], "-", "-"))
+        rows.append((_UNSCALED, result["unscaled"], "-", "none"))
+    rows.append((_DLS, result, str(result["skipped_steps"]), _exp2(result["final_scale"])))
+    for label, r, skipped, scale in rows:
+        lines.append(f"{label:<22}{r['start_loss']:>22.4f}{r['end_loss']:>9.4f}{skipped:>9}  {scale}")
+    if "fp32" in result:
+        f32, u = result["fp32"]["end_loss"], result["unscaled"]
+        learned = f32 < result["fp32"]["start_loss"]
+        stalled = u["start_loss"] - u["end_loss"] < 0.25 * (result["fp32"]["start_loss"] - f32)
+        verdict = ("its float16 gradients underflow to zero and it barely learns"
+                   if learned and stalled else "compare its end loss with float32's")
+        lines.append(f"without scaling {verdict}; with DLS the end loss is "
+                     f"{result['end_loss']:.4f} against float32's {f32:.4f}")
+    for s in result["spikes"]:
+        lines.append(_spike_line(result, s))
+    k = result.get("kernels")
+    if k and k.get("dls"):
+        extra = (f", {k['no_dls']['launches']} without DLS: DLS adds {k['dls_added']}"
+                 if k.get("no_dls") else "")
+        lines.append(f"kernels per step: {k['dls']['launches']} generated kernels with DLS{extra} "
+                     f"(plus {k['dls']['extern_launches']} library matmul calls)")
+    lines.append(f"time           {result['seconds']:.1f} s "
+                 f"(first calls, which compile: {result['compile_seconds']:.1f} s)")
     return "\n".join(lines)
+
+
+def _spike_line(result: dict[str, Any], spike: int) -> str:
+    scales, skipped = result["scales"], result["skipped"]
+    i = spike - 1
+    was_skipped = skipped[i] > (skipped[i - 1] if i else 0)
+    before = scales[i]
+    text = f"loss spike at step {spike}: " + ("skipped" if was_skipped else "NOT skipped")
+    if i + 1 < len(scales):
+        text += f", scale {_exp2(before)} -> {_exp2(scales[i + 1])}"
+        back = next((j + 1 for j in range(i + 1, len(scales)) if scales[j] >= before), None)
+        text += f", back to {_exp2(before)} at step {back}" if back else ", not yet grown back"
+    return text

@@ -1,4 +1,4 @@
-"""The dlspass CLI (help, exit codes, one-line errors) and the cbfloat16 demo."""
+"""The dlspass CLI (help, exit codes, one-line errors) and the demo (float16 with and without DLS)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_help_shows_examples_on_stdout():
     assert "Examples" in res.stdout
     assert "dlspass demo --steps 20" in res.stdout
     assert "Exit codes" in res.stdout
-    assert re.search(r"demo\s+Train the bundled TinyGPT", res.stdout)
+    assert re.search(r"demo\s+Show what dynamic loss scaling is for", res.stdout)
 
 
 def test_module_entry_point_help():
@@ -53,20 +53,48 @@ def test_module_entry_point_help():
     assert "--steps" in res.stdout and "--out-dir" in res.stdout
 
 
-def test_demo_20_steps_loss_drops_no_terminal(tmp_path):
-    res = _run("demo", "--steps", "20", cwd=tmp_path)
+def _row(out: str, label: str) -> tuple[float, float]:
+    m = re.search(re.escape(label) + r"\s+([0-9.]+)\s+([0-9.]+)", out)
+    assert m, out
+    return float(m.group(1)), float(m.group(2))
+
+
+def test_demo_20_steps_shows_underflow_and_dls_no_terminal(tmp_path):
+    res = _run("demo", "--steps", "20", "--eager-kernels", cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr
     out = res.stdout
-    start = float(re.search(r"start loss\s+([0-9.]+)", out).group(1))
-    end = float(re.search(r"end loss\s+([0-9.]+)", out).group(1))
-    assert end < start - 0.05, out
-    # Initial loss of an untrained 16-token model is about ln(16).
-    assert abs(start - math.log(16)) < 0.5
-    assert re.search(r"final scale\s+\S+ \(2\^\d+\)", out)
-    assert re.search(r"skipped steps\s+\d+", out)
+    f32_start, f32_end = _row(out, "float32 (eager torch)")
+    u_start, u_end = _row(out, "float16, no scaling")
+    d_start, d_end = _row(out, "float16 + DLS")
+    # Initial loss of an untrained 16-token model is about ln(16); all runs start alike.
+    assert abs(f32_start - math.log(16)) < 0.5
+    assert f32_start == u_start == d_start
+    assert f32_end < f32_start - 0.05, out
+    # float16 without scaling: every gradient flushes to zero, Adam moves nothing.
+    assert u_end == u_start, out
+    # DLS learns like float32 (the spike at step 5 is skipped, so one update fewer).
+    assert d_end < d_start - 0.05 and abs(d_end - f32_end) < 0.5 * (f32_start - f32_end), out
+    assert re.search(r"loss spike at step 5: skipped, scale 2\^15 -> 2\^14, back to 2\^15 at step 17", out)
     # Progress goes to stderr, the results to stdout only.
     assert "20/20" in res.stderr and "scale=2^" in res.stderr
     assert "20/20" not in out
+
+
+def test_demo_loss_weight_really_underflows_float16():
+    """Independent of dlspass: the demo's weighted loss has float16-underflowing gradients."""
+    from dlspass.demo import LOSS_WEIGHT, _model_and_optimizer
+    from dlspass.models import copy_task_batch
+
+    model, _ = _model_and_optimizer(0)
+    idx, tgt = copy_task_batch(16, 16, 16, torch.Generator().manual_seed(0))
+    logits = model(idx)
+    logits.retain_grad()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 16), tgt.reshape(-1)) * LOSS_WEIGHT
+    loss.backward()
+    g = logits.grad
+    assert g.abs().max() > 0
+    assert (g.half() == 0).all()  # below half of float16's smallest subnormal 2**-24
+    assert (g * 2.0**15).half().count_nonzero() > 0.9 * g.numel()  # the DLS scale brings it back
 
 
 def test_bad_option_is_exit_2_with_one_stderr_line():
@@ -110,18 +138,60 @@ def test_main_exits_with_run_code(capsys):
 
 def test_demo_json_and_out_dir(tmp_path, capsys):
     out_dir = tmp_path / "runs" / "demo"
-    assert cli.run(["demo", "--steps", "3", "--json", "-q", "--out-dir", str(out_dir)]) == 0
+    assert cli.run(["demo", "--steps", "3", "--json", "-q", "--eager-kernels",
+                    "--out-dir", str(out_dir)]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out)
     assert captured.err == ""  # --quiet: no progress bar
     assert result["steps"] == 3 and len(result["losses"]) == 3
+    assert result["backend_compiler"] == "eager" and result["kernels"] is None
     on_disk = json.loads((out_dir / "demo_metrics.json").read_text())
     assert on_disk == result
     assert result["graph_breaks"] == 0
-    # the same compiled graph ran the unscaled comparison at scale 1
-    assert len(result["unscaled"]["losses"]) == 3 and result["unscaled"]["skipped_steps"] == 0
+    # the float32 and the unscaled float16 runs saw the same batches from the same weights
+    assert len(result["unscaled"]["losses"]) == 3 and len(result["fp32"]["losses"]) == 3
+    assert result["fp32"]["losses"][0] == pytest.approx(result["losses"][0], rel=1e-2)
     html = (out_dir / "report.html").read_text()
     assert "<svg" in html and "scaled_seed" in html and "guard" in html
+
+
+def test_no_cpp_compiler_falls_back_to_eager_kernels(monkeypatch, capsys):
+    import shutil
+
+    from dlspass import demo as demo_mod
+
+    # inductor's own search (config.cpp.cxx) decides; on this machine it finds $CXX or g++
+    assert demo_mod.cpp_compiler_available() == bool(shutil.which(os.environ.get("CXX", "g++")))
+    seen: dict = {}
+
+    def fake_run_demo(**kw):
+        seen.update(kw)
+        return {"backend_compiler": kw["backend_compiler"]}
+
+    monkeypatch.setattr(demo_mod, "run_demo", fake_run_demo)
+    with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        assert not demo_mod.cpp_compiler_available()
+        assert cli.run(["demo", "--steps", "8", "--json", "-q"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"backend_compiler": "eager"}
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "no C++ compiler found" in lines[0] and "eager kernels" in lines[0]
+    assert seen["spikes"] == (2,)  # the default spike, a quarter into the run
+    assert cli.run(["demo", "--steps", "8", "--json", "-q", "--no-spike"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and seen["spikes"] == ()
+    assert json.loads(captured.out)["backend_compiler"] == "inductor"
+
+
+@pytest.mark.slow
+def test_demo_on_inductor_counts_kernels(tmp_path):
+    r = run_demo(steps=3, quiet=True, spikes=[2])
+    assert r["backend_compiler"] == "inductor" and r["graph_breaks"] == 0
+    k = r["kernels"]
+    assert k["dls"]["launches"] > 0 and k["no_dls"]["launches"] > 0
+    assert k["dls_added"] == k["dls"]["launches"] - k["no_dls"]["launches"]
+    assert r["skipped"] == [0, 1, 1] and r["scales"] == [2.0**15, 2.0**15, 2.0**14]
+    assert r["unscaled"]["end_loss"] == r["unscaled"]["start_loss"]
 
 
 class _Boom(Exception):
@@ -234,20 +304,21 @@ def test_emulate_format_rounds_linear_io_and_gradients():
     assert not _cb16_representable(out)
 
 
-def test_run_demo_is_deterministic_and_uses_cbfloat16_defaults():
+def test_run_demo_is_deterministic_and_uses_float16_defaults():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        a = run_demo(steps=3, seed=1, quiet=True)
+        a = run_demo(steps=3, seed=1, quiet=True, compare=False, backend_compiler="eager")
         assert torch.get_num_threads() == 2  # the demo's single-thread setting is undone
     finally:
         torch.set_num_threads(threads)
-    b = run_demo(steps=3, seed=1, quiet=True)
+    b = run_demo(steps=3, seed=1, quiet=True, compare=False, backend_compiler="eager")
     assert a["losses"] == b["losses"] and a["end_loss"] == b["end_loss"]
-    assert a["initial_scale"] == 2.0**31  # SPEC §1: cbfloat16 starts at 2**31
-    assert a["scales"][0] == 2.0**31
+    assert a["format"] == "float16"
+    assert a["initial_scale"] == 2.0**15  # the cerebras preset starts float16 at 2**15
+    assert a["scales"][0] == 2.0**15
     assert a["skipped"] == [0, 0, 0] and a["skipped_steps"] == 0
-    c = run_demo(steps=3, seed=2, quiet=True)
+    c = run_demo(steps=3, seed=2, quiet=True, compare=False, backend_compiler="eager")
     assert c["losses"] != a["losses"]
 
 
@@ -258,20 +329,21 @@ def test_run_demo_rejects_bad_steps(steps):
 
 
 def test_spikes_follow_the_hand_worked_dls_trace():
-    # cerebras policy, cbfloat16, steps_per_increase=10 (the demo's), spikes at steps 3, 4, 20:
-    # 3 overflows at 2**31 -> 2**30; 4 overflows -> 2**29; 5..15 are 11 clean updates, and the
-    # 11th (> 10) grows the scale -> 2**30 from step 16; 20 overflows -> 2**29.
-    r = run_demo(steps=22, seed=0, quiet=True, spikes=[3, 4, 20])
-    expected_scales = [2.0**31] * 3 + [2.0**30] + [2.0**29] * 11 + [2.0**30] * 5 + [2.0**29] * 2
+    # cerebras policy, float16 (starts at its cap 2**15), steps_per_increase=10, spikes at
+    # steps 3, 4, 20: 3 overflows -> 2**14; 4 overflows -> 2**13; 5..15 are 11 clean updates,
+    # and the 11th (> 10) grows the scale -> 2**14 from step 16; 20 overflows -> 2**13.
+    r = run_demo(steps=22, seed=0, quiet=True, spikes=[3, 4, 20], compare=False, backend_compiler="eager")
+    expected_scales = [2.0**15] * 3 + [2.0**14] + [2.0**13] * 11 + [2.0**14] * 5 + [2.0**13] * 2
     assert r["scales"] == expected_scales
     assert r["skipped"] == [0, 0, 1] + [2] * 16 + [3] * 3
-    assert r["skipped_steps"] == 3 and r["final_scale"] == 2.0**29
+    assert r["skipped_steps"] == 3 and r["final_scale"] == 2.0**13
     assert r["spikes"] == [3, 4, 20]
 
 
 def test_cli_spike_option(capsys):
-    assert cli.run(["demo", "--steps", "4", "--spike", "2", "--json", "-q"]) == 0
+    assert cli.run(["demo", "--steps", "4", "--spike", "2", "--json", "-q", "--eager-kernels"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["skipped_steps"] == 1 and result["final_scale"] == 2.0**30
-    assert cli.run(["demo", "--steps", "4", "--spike", "5", "-q"]) == 2
+    assert result["skipped_steps"] == 1 and result["final_scale"] == 2.0**14
+    assert result["skipped"] == [0, 1, 1, 1]
+    assert cli.run(["demo", "--steps", "4", "--spike", "5", "-q", "--eager-kernels"]) == 2
     assert capsys.readouterr().err == "dlspass: error: spikes: expected steps between 1 and 4, got 5\n"

@@ -1,0 +1,241 @@
+"""Where the first call of a compiled training step spends its time.
+
+Usage: ``.venv/bin/python tools/bench/compile_breakdown.py [--model tinygpt|demo|gpt2]
+[--configs dls,plain,torch,cb16] [--warm] [--json]``
+
+Each configuration compiles in its own child process with a fresh ``TORCHINDUCTOR_CACHE_DIR``
+(cold: nothing cached), so every row pays import-free, cache-free compile time; ``--warm`` runs
+each configuration a second time on the cache the first run left (a second process of the same
+program). Children run in turn, never at once, so they share the machine's load alike.
+
+Timers are torch's own (``torch._dynamo.utils.compile_times()``; they are inclusive, so a
+row's parts nest as the column names say) plus the dlspass passes (``apply_dls``,
+``tag_aot_graph``, ``write_updates_in_place``), timed by wrapping them. Counts come from
+``torch._dynamo.utils.counters`` and ``dlspass.kernel_count`` (kernel launches per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = ("torch", "plain", "dls", "cb16")
+MODELS = ("tinygpt", "demo", "gpt2")
+
+COLUMNS = ("first call", "restarted trace (wasted)", "dynamo + AOT + dlspass", "dlspass passes",
+           "inductor", "lowering", "fusion (scheduler init)", "kernel codegen",
+           "C++ compile, summed (files)", "load (waits for C++)", "launches (defs)")
+
+
+# ---- child: build one configuration and call it once ----------------------------------------------
+
+def _build(model_name: str, config: str) -> tuple[Callable, tuple]:
+    import torch
+
+    import dlspass
+    from dlspass.models import TinyGPT, copy_task_batch, gpt_loss
+
+    torch.manual_seed(0)
+    if model_name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2,
+                                           n_head=2, attn_implementation="eager"))
+        vocab, seq, batch = 256, 32, 8
+
+        def loss_of(m: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            return m(input_ids=idx, labels=tgt).loss
+    else:
+        vocab, d, seq, batch = (64, 128, 64, 16) if model_name == "tinygpt" else (16, 32, 16, 16)
+        model = TinyGPT(vocab=vocab, d=d, n_layer=2, n_head=2, block_size=seq)
+
+        def loss_of(m: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            return gpt_loss(m, (idx, tgt))
+    data = copy_task_batch(vocab, batch, seq, torch.Generator().manual_seed(0))
+    if config == "torch":
+        cmodel = torch.compile(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        scaler = torch.amp.GradScaler("cpu")
+
+        def torch_step(idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            loss = loss_of(cmodel, idx, tgt)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return torch_step, data
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train_step(idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(model, idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    kw: dict = {"mixed_precision": False}
+    scaler = None
+    if config in ("dls", "cb16"):
+        scaler = dlspass.GradScaler(loss_scale="dynamic",
+                                    fp16_type="cbfloat16" if config == "cb16" else "float16")
+    if config == "cb16":
+        kw = {}
+    return dlspass.compile(train_step, optimizer=opt, scaler=scaler, **kw), data
+
+
+def _time_dlspass_passes() -> dict[str, float]:
+    """Wrap the dlspass graph passes so their time is recorded (seconds, summed)."""
+    import dlspass.passes as dp
+
+    import dlspass.compile_step as cs
+
+    spent: dict[str, float] = {"dlspass passes": 0.0}
+
+    def timed(fn: Callable) -> Callable:
+        def run(*a: object, **k: object) -> object:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent["dlspass passes"] += time.perf_counter() - t0
+        return run
+
+    dp.apply_dls = timed(dp.apply_dls)
+    cs.tag_aot_graph = timed(cs.tag_aot_graph)
+    cs.write_updates_in_place = timed(cs.write_updates_in_place)
+    return spent
+
+
+def child(model_name: str, config: str) -> dict:
+    t_import = time.perf_counter()
+    import torch
+    from torch._dynamo.utils import compile_times, counters
+    from torch._inductor.utils import run_and_get_code
+
+    from dlspass.kernel_count import count_kernels
+
+    torch.set_num_threads(1)
+    import_s = time.perf_counter() - t_import
+    spent = _time_dlspass_passes()
+    step, data = _build(model_name, config)
+    t0 = time.perf_counter()
+    _, codes = run_and_get_code(step, *data)
+    first = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    step(*data)
+    second = time.perf_counter() - t1
+    raw = compile_times(repr="csv")
+    keys, values = raw
+    timers = dict(zip(keys, values, strict=True))
+    files = str(timers.get("compile_file", "")).split(",") if "compile_file" in timers else []
+    kc = count_kernels(codes)
+    return {
+        "model": model_name, "config": config, "import_s": import_s, "first_call_s": first,
+        "second_call_s": second, "timers": timers, "dlspass_passes_s": spent["dlspass passes"],
+        "cpp_files": len(files),
+        "launches": kc.launches, "definitions": kc.definitions, "extern": kc.extern_launches,
+        "counters": {k: dict(v) for k, v in counters.items()
+                     if k in ("inductor", "aot_autograd", "stats", "graph_break")},
+    }
+
+
+# ---- parent: one child per configuration -------------------------------------------------------
+
+def run_child(model_name: str, config: str, cache_dir: str) -> dict:
+    import resource
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, __file__, "--child", model_name, config],
+                         capture_output=True, text=True, env=env, check=False)
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise RuntimeError(f"{model_name}/{config} failed:\n{res.stderr[-4000:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out["process_s"] = wall
+    # CPU time of the child and its compiler subprocesses: on a loaded machine the steadier
+    # measure of what the compile costs (an idle 2-core machine's wall time is close to it)
+    out["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return out
+
+
+def _sum(timers: dict, key: str) -> float:
+    """A compile_times timer summed over its calls (``repr="csv"`` gives "a, b" for repeats)."""
+    v = timers.get(key)
+    return 0.0 if v in (None, "") else sum(float(x) for x in str(v).split(","))
+
+
+def condensed(r: dict) -> list[str]:
+    """One table row: the first call split into exclusive parts (seconds)."""
+    t = r["timers"]
+    restarted = _sum(t, "compile_attempt_0") if "compile_attempt_1" in t else 0.0
+    inductor = _sum(t, "compile_fx_inner")
+    front = _sum(t, "_compile.compile_inner") - restarted - inductor
+    codegen = _sum(t, "Scheduler.codegen")
+    cells = [r["first_call_s"], restarted, front,
+             r["dlspass_passes_s"] if r["config"] != "torch" else None,
+             inductor, _sum(t, "GraphLowering.run"), _sum(t, "Scheduler.__init__"), codegen]
+    out = ["" if v is None else f"{v:.1f}" for v in cells]
+    out.append(f"{_sum(t, 'compile_file'):.1f} ({r['cpp_files']})")
+    out.append(f"{_sum(t, 'PyCodeCache.load_by_key_path'):.1f}")
+    out.append(f"{r['launches']} ({r['definitions']})")
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    head = ["model", "config", "cache", "process CPU (s)", "process wall (s)", *COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cpu = r.get("cpu_s")
+        cells = [r["model"], r["config"], r["cache"], "" if cpu is None else f"{cpu:.1f}",
+                 f"{r['process_s']:.1f}", *condensed(r)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=MODELS, default="tinygpt")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--warm", action="store_true", help="also run each config again on its cache")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return ""
+    rows = []
+    for config in args.configs.split(","):
+        cache = tempfile.mkdtemp(prefix=f"dlspass-breakdown-{config}-")
+        rows.append({**run_child(args.model, config, cache), "cache": "cold"})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if args.warm:
+            rows.append({**run_child(args.model, config, cache), "cache": "warm"})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    if args.json:
+        out = json.dumps(rows, indent=1)
+    else:
+        load = os.getloadavg()[0]
+        out = (f"Command: `.venv/bin/python tools/bench/compile_breakdown.py "
+               f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+               f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average {load:.1f} "
+               f"at the end, 1 intra-op thread.\n\n" + table(rows))
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
