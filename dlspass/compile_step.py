@@ -300,18 +300,8 @@ def find_seed(graph: fx.Graph) -> fx.Node:
     grads = roles.nodes_with_role(graph, roles.GRAD)
     if not grads:
         raise CompileError("the step computes no gradients: call loss.backward() before optimizer.step()")
-    ancestors: set[fx.Node] | None = None
-    for g in grads:
-        seen: set[fx.Node] = set()
-        stack = [g]
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-        ancestors = seen if ancestors is None else ancestors & seen
-    assert ancestors is not None
+    # the nodes every gradient depends on
+    ancestors = set.intersection(*(roles.ancestors([g]) for g in grads))
     # a ones_like/full_like of a non-scalar (``x * torch.ones_like(x)`` in the model) is
     # model arithmetic, not a seed: loss.backward() seeds with a 0-d ones_like(loss)
     seeds = [n for n in ancestors if n.op == "call_function"

@@ -28,6 +28,7 @@ import importlib
 import io
 import json
 import logging
+import math
 import os
 import sys
 import warnings
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from . import roles
 from .atomic_write import write_atomic  # also imported from here by cli and onnx_io
+from .bounded_text import excerpt
 from .config import DLSConfig
 from .errors import DLSInputError
 from .file_meta import check_pt2_meta
@@ -69,6 +71,16 @@ class OptimizerSpec:
     eps: float = 1e-8
 
     def __post_init__(self) -> None:
+        # The Python API gets the CLI's guarantee too: torch.optim accepts inf and nan, and the
+        # first step would write them into every weight.
+        for name in ("lr", "momentum", "weight_decay", "eps", "betas"):
+            values = self.betas if name == "betas" else (getattr(self, name),)
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                       and math.isfinite(v) for v in values):
+                raise InputError(f"--{name.replace('_', '-')}: expected finite numbers, "
+                                 f"got {excerpt(getattr(self, name))}")
+        if not self.eps >= 0:
+            raise InputError(f"--eps: expected >= 0, got {self.eps!r}")
         if self.kind not in OPTIMIZERS:
             raise InputError(f"--optimizer: unknown optimizer {self.kind!r}; choose one of {', '.join(OPTIMIZERS)}")
         if not self.lr > 0:

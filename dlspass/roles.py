@@ -135,3 +135,17 @@ def iter_outputs_with_role(graph: fx.Graph, role: str) -> Iterator[tuple[int, st
     for i, (r, t) in enumerate(output_roles(graph)):
         if r == role:
             yield i, t, vals[i]
+
+
+def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    """Every node that ``nodes`` depend on, ``nodes`` included (an iterative walk: deep graphs
+    must not reach Python's recursion limit)."""
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen

@@ -95,15 +95,7 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     input gradient reuses); those uses must keep reading the scaled value, as torch.amp's
     backward does, and only the optimizer's reads move to the unscaled or clipped one.
     """
-    seen: set[fx.Node] = set()
-    stack = list(roles.nodes_with_role(graph, roles.GRAD))
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return seen
+    return roles.ancestors(roles.nodes_with_role(graph, roles.GRAD))
 
 
 def global_node(graph: fx.Graph, role: str) -> fx.Node | None:

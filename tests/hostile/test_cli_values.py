@@ -80,3 +80,18 @@ def test_over_long_and_looping_paths_are_input_errors(capsys, tmp_path):
         err = capsys.readouterr().err
         assert rc == 2, err
         assert err.count("\n") == 1 and len(err) < 700, err
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("lr", math.inf), ("lr", math.nan), ("momentum", math.nan), ("weight_decay", math.inf),
+    ("eps", math.nan), ("eps", -1e-8), ("betas", (0.9, math.nan)), ("lr", "0.1"),
+])
+def test_python_api_optimizer_spec_refuses_what_the_cli_refuses(field, value):
+    """`OptimizerSpec` (the Python API behind `transform`) checks values as the CLI does."""
+    from dlspass.errors import DLSInputError
+    from dlspass.export_io import OptimizerSpec
+
+    kind = "adam" if field in ("eps", "betas") else "sgd"
+    with pytest.raises(DLSInputError, match=field.replace("_", "-")):
+        OptimizerSpec(kind=kind, **{field: value})
+    OptimizerSpec(kind=kind)  # the defaults stay valid

@@ -77,18 +77,23 @@ def _set_target(target: str):
     return _first_node(lambda node: node.__setitem__("target", target))
 
 
-def _evil_expr(src: Path, dst: Path) -> Path:
+def _set_every_expr(expr: str):
+    """An edit for `edit_json` that writes ``expr`` into every ``expr_str`` of the program."""
     def edit(prog: dict) -> None:
         stack = [prog]
         while stack:
             item = stack.pop()
             if isinstance(item, dict):
                 if "expr_str" in item:
-                    item["expr_str"] = EVIL_EXPR
+                    item["expr_str"] = expr
                 stack.extend(item.values())
             elif isinstance(item, list):
                 stack.extend(item)
-    return edit_json(src, dst, MODEL, edit)
+    return edit
+
+
+def _evil_expr(src: Path, dst: Path) -> Path:
+    return edit_json(src, dst, MODEL, _set_every_expr(EVIL_EXPR))
 
 
 def _evil_guard(src: Path, dst: Path) -> Path:
@@ -289,18 +294,7 @@ def test_sample_inputs_in_the_legacy_stream_format_are_refused(base, tmp_path):
 ])
 def test_expressions_that_compute_without_bound_are_refused(base, tmp_path, expr):
     """Not code execution but unbounded time or memory inside sympify: refused by the grammar."""
-    def edit(prog: dict) -> None:
-        stack = [prog]
-        while stack:
-            item = stack.pop()
-            if isinstance(item, dict):
-                if "expr_str" in item:
-                    item["expr_str"] = expr
-                stack.extend(item.values())
-            elif isinstance(item, list):
-                stack.extend(item)
-
-    evil = edit_json(base["dynamic"], tmp_path / "dos.pt2", MODEL, edit)
+    evil = edit_json(base["dynamic"], tmp_path / "dos.pt2", MODEL, _set_every_expr(expr))
     t = time.monotonic()
     with pytest.raises(UnsafeArchiveError, match="sympify"):
         check_pt2_archive(evil)
