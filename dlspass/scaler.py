@@ -732,6 +732,8 @@ class GradScaler:
     def _config_with_factors(self, sd: Mapping[str, Any], ck_cfg: Mapping[str, Any]) -> DLSConfig:
         """The config with the checkpoint's growth factor, backoff factor and interval."""
         changes: dict[str, Any] = {}
+        resolved = {"growth_factor": self.config.growth, "backoff_factor": self.config.backoff,
+                    "steps_per_increase": self.config.growth_interval}
         for key, field in (("growth_factor", "growth_factor"), ("backoff_factor", "backoff_factor"),
                            ("growth_interval", "steps_per_increase")):
             if key in sd:
@@ -741,9 +743,13 @@ class GradScaler:
             else:
                 continue
             if field == "steps_per_increase":
-                changes[field] = _checked_count(name, raw, minimum=1)
+                value = _checked_count(name, raw, minimum=1)
             else:
-                changes[field] = _checked_factor(name, raw, growth=field == "growth_factor")
+                value = _checked_factor(name, raw, growth=field == "growth_factor")
+            # A value equal to what the config already resolves to (the preset's default)
+            # leaves the config as it is: a restored scaler then equals a fresh one.
+            if value != resolved[field]:
+                changes[field] = value
         if not changes:
             return self.config
         try:

@@ -30,7 +30,8 @@ FAST = {
     harness.cell_id("graph_break", "cli", "fp32"),
     harness.cell_id("graph_break", "make_backend", "fp32"),
     harness.cell_id("gpt2", "capture_step", "cbfloat16"),
-    harness.cell_id("gpt2", "cli", "fp32"),
+    # gpt2 cli fp32 is slow here: tests/test_cli_outside_models.py trains the same CLI path in
+    # the default suite.
 }
 
 
