@@ -18,13 +18,12 @@ from typing import Annotated, Any
 import typer
 
 from .bounded_text import excerpt, one_line
-from .config import ConfigError
 from .errors import DLSInputError
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 # Exceptions that mean "the input is wrong": one line on stderr and exit 2. OSError covers
 # the file system's refusals (a name too long, a loop of links, no permission, a full disk).
-_BAD_INPUT = (DLSInputError, ConfigError, ValueError, OSError)
+_BAD_INPUT = (DLSInputError, ValueError, OSError)  # ConfigError is a DLSInputError
 MAX_ERROR_CHARS = 600
 """Longest error line: messages quote input (names, values, paths), which may be huge."""
 
