@@ -281,7 +281,6 @@ class GradScaler:
 
     def _setup(self, config: DLSConfig, device: torch.device | str | None,
                process_group: Any = None) -> None:
-        _check_float32_scales(config)
         self.config = config
         self.process_group = process_group
         self._cfg = config  # the active config: bfloat16 pass-through replaces it
@@ -784,17 +783,6 @@ def _flatten_checkpoint(state_dict: object) -> dict[Any, Any]:
     prefix = "grad_scaler."
     return {k[len(prefix):] if isinstance(k, str) and k.startswith(prefix) else k: v
             for k, v in sd.items()}
-
-
-def _check_float32_scales(config: DLSConfig) -> None:
-    """Refuse scales float32 cannot hold (`DLSConfig` checks them in float64): 1e39 -> inf."""
-    ls = config.loss_scale
-    if isinstance(ls, numbers.Real) and not isinstance(ls, bool):
-        checked_scale("loss_scale", ls, ConfigError)
-    for key in ("initial_loss_scale", "min_loss_scale", "max_loss_scale"):
-        v = getattr(config, key)
-        if v is not None:
-            checked_scale(key, v, ConfigError)
 
 
 class TorchGradScaler(GradScaler, torch.amp.GradScaler):
