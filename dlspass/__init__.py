@@ -29,8 +29,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .config import ConfigError, DLSConfig
-from .errors import DLSInputError, DLSInternalError, DLSPassError
+from dlspass.config import ConfigError, DLSConfig
+from dlspass.errors import DLSInputError, DLSInternalError, DLSPassError
 
 __version__ = "0.1.0"
 
@@ -49,10 +49,10 @@ _LAZY = {
     "CapturedStep": "dlspass.capture.functional",
     "CaptureError": "dlspass.capture.functional",
     "capture_step_distributed": "dlspass.distributed",
-    "verify": "dlspass.invariants",
-    "VerificationError": "dlspass.invariants",
-    "compile": "dlspass.compile_step",
-    "make_backend": "dlspass.dynamo_backend",
+    "verify": "dlspass.graph.invariants",
+    "VerificationError": "dlspass.graph.invariants",
+    "compile": "dlspass.capture.compiled_step",
+    "make_backend": "dlspass.capture.dynamo_backend",
 }
 
 __all__ = [

@@ -1,3 +1,3 @@
-from .cli import main
+from dlspass.cli.commands import main
 
-main()
+raise SystemExit(main())

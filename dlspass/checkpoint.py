@@ -1,6 +1,6 @@
 """Crash-safe training checkpoints: model, optimizer, LR scheduler, DLS scaler, step and RNG.
 
-`save_checkpoint` writes atomically (``dlspass.atomic_write``): ``torch.save`` into a temporary
+`save_checkpoint` writes atomically (``dlspass.files.atomic_write``): ``torch.save`` into a temporary
 file in the target's own directory, ``fsync``, then ``os.replace`` onto the final name and an
 ``fsync`` of the directory. A process killed at any instant leaves either the previous
 checkpoint or the new one, never a torn file; SIGTERM removes the temporary file, and after a
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .atomic_write import write_atomic
-from .bounded_text import excerpt
-from .errors import DLSInputError
+from dlspass.errors import DLSInputError
+from dlspass.files.atomic_write import write_atomic
+from dlspass.files.bounded_text import excerpt
 
 FORMAT = "dlspass-checkpoint"
 VERSION = 1
@@ -101,7 +101,7 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     # zip format is read, and its directory is bounded first (a zip bomb is refused from it)
     if not zipfile.is_zipfile(path):
         raise CheckpointError(f"{path}: not a readable checkpoint (not in torch.save's zip format)")
-    from .pt2_archive import UnsafeArchiveError, check_zip_bounds
+    from dlspass.files.pt2_archive import UnsafeArchiveError, check_zip_bounds
 
     try:
         check_zip_bounds(path)
@@ -242,7 +242,7 @@ def _check_scaler_state(sd: Any, bad: Any) -> None:
     flat = dict(sd.get("grad_scaler") if isinstance(sd.get("grad_scaler"), dict) else sd)
     flat = {k[len("grad_scaler."):] if isinstance(k, str) and k.startswith("grad_scaler.") else k: v
             for k, v in flat.items()}
-    from .scale_policy import STATE_FIELDS
+    from dlspass.scale_policy import STATE_FIELDS
 
     for key in ("scale", "_growth_tracker", *STATE_FIELDS):  # torch.amp's keys, then dlspass's
         if key not in flat:

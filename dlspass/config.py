@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .errors import DLSInputError
+from dlspass.errors import DLSInputError
 
 FP16_TYPES = ("float16", "bfloat16", "cbfloat16")
 POLICIES = ("cerebras", "torch", "deepspeed", "megatron", "keras")
@@ -298,7 +298,7 @@ class DLSConfig:
         Model Zoo model directory, e.g. ``"gpt3"``) pick the release-dependent defaults; see
         docs/MODELZOO.md.
         """
-        from .modelzoo import config_from_params
+        from dlspass.modelzoo import config_from_params
 
         return config_from_params(data, source=source, modelzoo_release=modelzoo_release,
                                   modelzoo_model=modelzoo_model)
@@ -307,6 +307,6 @@ class DLSConfig:
     def from_yaml(cls, path: str, *, modelzoo_release: str | None = None,
                   modelzoo_model: str | None = None) -> DLSConfig:
         """Read the precision settings of a Model Zoo ``params.yaml`` (see `from_dict`)."""
-        from .modelzoo import config_from_yaml
+        from dlspass.modelzoo import config_from_yaml
 
         return config_from_yaml(path, modelzoo_release=modelzoo_release, modelzoo_model=modelzoo_model)

@@ -47,8 +47,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import Tensor, nn
 
-from . import roles
-from .config import DLSConfig
+from dlspass.config import DLSConfig
+from dlspass.graph import roles
 
 LOCAL_GRAD = "local_grad"  # a rank's own gradient, before the in-graph all-reduce
 GRAD_ALLREDUCE = "grad_allreduce"
@@ -177,7 +177,7 @@ def insert_grad_allreduce(gm: fx.GraphModule, group: Any = None, *,
     """
     from torch.distributed import _functional_collectives as funcol
 
-    from .splice import splice
+    from dlspass.graph.splice import splice
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("insert_grad_allreduce: torch.distributed is not initialised")
@@ -225,8 +225,8 @@ def insert_flag_allreduce(gm: fx.GraphModule, group: Any = None) -> fx.GraphModu
     """
     from torch.distributed import _functional_collectives as funcol
 
-    from .passes._common import GLOBAL, global_node
-    from .splice import splice
+    from dlspass.graph.splice import splice
+    from dlspass.passes.base import GLOBAL, global_node
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("insert_flag_allreduce: torch.distributed is not initialised")
@@ -274,8 +274,8 @@ def capture_step_distributed(
     the parameters and buffers of the group's first rank to all ranks. With ``agree_flag`` the
     overflow flag is all-reduced too. Returns a ``CapturedStep``.
     """
-    from .capture.functional import build_step
-    from .invariants import verify
+    from dlspass.capture.functional import build_step
+    from dlspass.graph.invariants import verify
 
     if resolve_group(process_group) is None and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("capture_step_distributed: torch.distributed is not initialised")
@@ -317,7 +317,7 @@ def dcp_state_dict(scaler: Any) -> dict[str, Any]:
     The configuration goes in as a JSON string (DCP stores non-tensor values as bytes); tensors
     are plain (replicated), so DCP writes one copy however many ranks save.
     """
-    from .scaler import GradScaler
+    from dlspass.scaler import GradScaler
 
     # dlspass's own layout even for TorchGradScaler, whose state_dict() speaks torch's keys:
     # it carries the format version and config, and TorchGradScaler loads it back.
@@ -334,8 +334,8 @@ def load_dcp_state_dict(scaler: Any, state: dict[str, Any]) -> None:
     A missing entry, a value of the wrong type or a ``config_json`` that is not JSON raises
     ``CheckpointError`` (an input error) before the scaler is touched.
     """
-    from .bounded_text import excerpt
-    from .checkpoint import CheckpointError
+    from dlspass.checkpoint import CheckpointError
+    from dlspass.files.bounded_text import excerpt
 
     entry = state.get(DCP_KEY) if isinstance(state, dict) else None
     if not isinstance(entry, dict):
@@ -363,7 +363,7 @@ def load_scaler(scaler: Any, checkpoint_id: str, process_group: Any = None, *,
                 trusted: bool = False) -> None:
     """Restore the scaler state saved by `save_scaler` on every rank (collective).
 
-    By default the folder is read as untrusted (``dlspass.dcp_reader``): its ``.metadata`` may
+    By default the folder is read as untrusted (``dlspass.files.dcp_reader``): its ``.metadata`` may
     name only DCP's own metadata classes, values load with ``weights_only=True`` and storage
     entries must lie inside the folder, so a crafted folder raises an input error instead of
     running code. ``trusted=True`` uses plain ``dcp.load`` (which unpickles ``.metadata`` and
@@ -375,7 +375,7 @@ def load_scaler(scaler: Any, checkpoint_id: str, process_group: Any = None, *,
 
         dcp.load(state, checkpoint_id=checkpoint_id, process_group=process_group)
     else:
-        from .dcp_reader import load_untrusted
+        from dlspass.files.dcp_reader import load_untrusted
 
         load_untrusted(state, checkpoint_id, process_group)
     load_dcp_state_dict(scaler, state)

@@ -287,7 +287,7 @@ def _compiled_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: b
             fresh = types.FunctionType(code, base.__globals__, name, None, base.__closure__)
             kernel = _COMPILED[key] = torch.compile(fresh, dynamic=True, fullgraph=True)
         return kernel(x)
-    except Exception as err:  # noqa: BLE001 - any compiler failure means "use the eager path"
+    except Exception as err:
         _compile_failed = True
         warnings.warn(
             f"dlspass: compiled rounding kernel unavailable, using eager ops ({err!r:.200})",
@@ -397,7 +397,7 @@ def _round_to_format_fake(x: torch.Tensor, fmt: str, saturate: bool, flush_to_ze
     return torch.empty_like(x)
 
 
-def _round_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202 - autograd protocol
+def _round_backward(ctx, grad: torch.Tensor):
     # straight-through: rounding is treated as identity for the gradient
     return grad, None, None, None
 
@@ -437,7 +437,7 @@ def _node_args(node: fx.Node) -> tuple[fx.Node, str, bool, bool]:
     return vals["x"], vals["fmt"], bool(vals["saturate"]), bool(vals["flush_to_zero"])
 
 
-def _bit_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):  # noqa: ANN202 - make_fx target
+def _bit_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
     impl = round_arith if form == "arith" else round_bits
 
     # make_fx needs a signature of exactly the traced arguments (no defaults)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .config import FLOAT32_MAX, FP16_TYPES, ConfigError, DLSConfig, excerpt, preset_defaults
+from dlspass.config import FLOAT32_MAX, FP16_TYPES, ConfigError, DLSConfig, excerpt, preset_defaults
 
 __all__ = ["ModelZooRules", "config_from_params", "config_from_yaml", "load_yaml", "modelzoo_rules"]
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .config import DLSConfig
+from dlspass.config import DLSConfig
 
 CLIP_EPS = 1e-6
 

@@ -60,10 +60,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import distributed, scale_policy
-from .config import FLOAT32_MAX, ConfigError, DLSConfig
-from .errors import DLSInputError, DLSPassError
-from .scale_policy import (
+from dlspass import distributed, scale_policy
+from dlspass.config import FLOAT32_MAX, ConfigError, DLSConfig
+from dlspass.errors import DLSInputError, DLSPassError
+from dlspass.scale_policy import (
     STATE_DTYPES,
     STATE_FIELDS,
     ScalerState,

@@ -9,7 +9,7 @@ Order (one pass per file, ``VerbNounPass`` in ``verb_noun_pass.py``):
 5. ``GuardUpdatesPass``    params and optimizer state: ``where(isfinite, new, old)`` (dynamic)
 6. ``UpdateScalePass``     scaler-state outputs = ``update_state(state, isfinite)`` (dynamic)
 
-then ``dlspass.invariants.verify``. The config is recorded as JSON on the output node
+then ``dlspass.graph.invariants.verify``. The config is recorded as JSON on the output node
 (``meta["custom"]["dlspass_config"]``; also on the seed node, whose meta survives
 ``torch.export``, which rebuilds the output node), which makes the pipeline idempotent and lets it refuse
 a graph already rewritten with a different config.
@@ -22,16 +22,15 @@ import json
 import torch.fx as fx
 from torch.fx.passes.infra.pass_manager import PassManager
 
-from dlspass import roles
 from dlspass.config import DLSConfig
-
-from ._common import APPLIED_KEY, DLSPass, PassContractError, applied_passes
-from .clip_grad_norm_pass import ClipGradNormPass
-from .guard_updates_pass import GuardUpdatesPass
-from .lower_precision_pass import LowerPrecisionPass
-from .scale_seed_pass import ScaleSeedPass
-from .unscale_grads_pass import UnscaleGradsPass
-from .update_scale_pass import UpdateScalePass
+from dlspass.graph import roles
+from dlspass.passes.base import APPLIED_KEY, DLSPass, PassContractError, applied_passes
+from dlspass.passes.clip_grad_norm_pass import ClipGradNormPass
+from dlspass.passes.guard_updates_pass import GuardUpdatesPass
+from dlspass.passes.lower_precision_pass import LowerPrecisionPass
+from dlspass.passes.scale_seed_pass import ScaleSeedPass
+from dlspass.passes.unscale_grads_pass import UnscaleGradsPass
+from dlspass.passes.update_scale_pass import UpdateScalePass
 
 CONFIG_KEY = "dlspass_config"
 MODE_KEY = "dlspass_precision_mode"
@@ -109,7 +108,7 @@ def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
     Example:
         >>> gm = apply_dls(gm, DLSConfig(loss_scale="dynamic"))  # doctest: +SKIP
     """
-    from dlspass.invariants import verify
+    from dlspass.graph.invariants import verify
 
     if precision_mode not in ("emulate", "native"):
         raise ValueError(f"precision_mode: expected 'emulate' or 'native', got {precision_mode!r}")

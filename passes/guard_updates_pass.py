@@ -6,10 +6,9 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from dlspass import roles
-from dlspass.splice import splice
-
-from ._common import (
+from dlspass.graph import roles
+from dlspass.graph.splice import splice
+from dlspass.passes.base import (
     FlagConsumerPass,
     PassContractError,
     global_node,

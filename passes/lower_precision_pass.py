@@ -8,21 +8,20 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from dlspass import roles
+from dlspass.graph import roles
+from dlspass.graph.splice import insert_op, set_fake_val
+from dlspass.passes.base import DLSPass, PassContractError
 from dlspass.precision_policy import (
     NATIVE_DTYPES,
     VALUE_PRESERVING_OPS,
     WHOLE_VIEW_OPS,
     PrecisionPolicy,
 )
-from dlspass.splice import insert_op, set_fake_val
-
-from ._common import DLSPass, PassContractError
 
 MODES = ("emulate", "native")
 
 
-def _round_op():  # noqa: ANN202
+def _round_op():
     try:
         import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format
     except ImportError:

@@ -6,11 +6,10 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from dlspass import roles
 from dlspass.config import DLSConfig
-from dlspass.splice import insert_op
-
-from ._common import DLSPass, PassContractError, scale_placeholder
+from dlspass.graph import roles
+from dlspass.graph.splice import insert_op
+from dlspass.passes.base import DLSPass, PassContractError, scale_placeholder
 
 
 class ScaleSeedPass(DLSPass):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from dlspass import roles, scale_policy
+from dlspass import scale_policy
 from dlspass.config import DLSConfig
-from dlspass.splice import splice
-
-from ._common import (
+from dlspass.graph import roles
+from dlspass.graph.splice import splice
+from dlspass.passes.base import (
     GLOBAL,
     DLSPass,
     PassContractError,

@@ -5,10 +5,16 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from dlspass import roles, scale_policy
-from dlspass.splice import splice
-
-from ._common import FlagConsumerPass, PassContractError, global_node, placeholder, set_outputs
+from dlspass import scale_policy
+from dlspass.graph import roles
+from dlspass.graph.splice import splice
+from dlspass.passes.base import (
+    FlagConsumerPass,
+    PassContractError,
+    global_node,
+    placeholder,
+    set_outputs,
+)
 
 
 class UpdateScalePass(FlagConsumerPass):
@@ -26,7 +32,7 @@ class UpdateScalePass(FlagConsumerPass):
         state = [placeholder(graph, roles.SCALER_STATE, f) for f in fields]
         isfinite = global_node(graph, roles.ISFINITE)
 
-        def update(c, *st):  # noqa: ANN001, ANN202 - traced helper
+        def update(c, *st):
             return list(scale_policy.update_state(scale_policy.ScalerState(*st), c, config))
 
         new = splice(graph, update, [isfinite, *state], role=roles.SCALE_UPDATE, by_pass=self.name,

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import dlspass
-from dlspass import roles
 from dlspass.capture.functional import CaptureError
+from dlspass.graph import roles
 from dlspass.models import MLP, SmallCNN, TinyGPT, copy_task_batch
 
 OVERFLOW_STEPS = {3, 7, 8, 15}

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from dlspass import cli
+from dlspass.cli import commands as cli
+from dlspass.cli.demo import emulate_format, run_demo
 from dlspass.config import ConfigError
-from dlspass.demo import emulate_format, run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("dlspass")
@@ -82,7 +82,7 @@ def test_demo_20_steps_shows_underflow_and_dls_no_terminal(tmp_path):
 
 def test_demo_loss_weight_really_underflows_float16():
     """Independent of dlspass: the demo's weighted loss has float16-underflowing gradients."""
-    from dlspass.demo import LOSS_WEIGHT, _model_and_optimizer
+    from dlspass.cli.demo import LOSS_WEIGHT, _model_and_optimizer
     from dlspass.models import copy_task_batch
 
     model, _ = _model_and_optimizer(0)
@@ -158,7 +158,7 @@ def test_demo_json_and_out_dir(tmp_path, capsys):
 def test_no_cpp_compiler_falls_back_to_eager_kernels(monkeypatch, capsys):
     import shutil
 
-    from dlspass import demo as demo_mod
+    from dlspass.cli import demo as demo_mod
 
     # inductor's own search (config.cpp.cxx) decides; on this machine it finds $CXX or g++
     assert demo_mod.cpp_compiler_available() == bool(shutil.which(os.environ.get("CXX", "g++")))
@@ -226,7 +226,7 @@ def test_missing_file_is_exit_2(temp_command, capsys):
 
 
 def test_verification_error_is_exit_1(temp_command, capsys):
-    verify = pytest.importorskip("dlspass.invariants")
+    verify = pytest.importorskip("dlspass.graph.invariants")
     temp_command["exc"] = verify.VerificationError("unscale node missing\nfor grad of fc1.weight")
     assert cli.run(["explode"]) == 1
     err = capsys.readouterr().err

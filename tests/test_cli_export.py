@@ -14,9 +14,9 @@ import cli_factories as cf
 import pytest
 import torch
 
-from dlspass import roles
+from dlspass.capture.exported import OptimizerSpec, load_program, step_graph
 from dlspass.config import DLSConfig
-from dlspass.export_io import OptimizerSpec, load_program, step_graph
+from dlspass.graph import roles
 
 ROOT = Path(__file__).resolve().parents[1]
 # the optimizer each model trains with, as CLI flags and as the reference's spec

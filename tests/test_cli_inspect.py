@@ -13,9 +13,9 @@ import cli_factories as cf
 import jsonschema
 import pytest
 
-from dlspass import roles
-from dlspass.export_io import load_program, save_program
-from dlspass.inspect_report import REPORT_SCHEMA
+from dlspass.capture.exported import load_program, save_program
+from dlspass.debug.inspect_report import REPORT_SCHEMA
+from dlspass.graph import roles
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
 

@@ -15,8 +15,8 @@ import hf_factories as hf
 import pytest
 import torch
 
+from dlspass.capture.exported import OptimizerSpec
 from dlspass.config import DLSConfig
-from dlspass.export_io import OptimizerSpec
 
 pytest.importorskip("transformers")
 

@@ -9,8 +9,8 @@ import onnx
 import pytest
 import torch
 
-from dlspass.export_io import load_program
-from dlspass.onnx_io import load_onnx, onnx_meta
+from dlspass.capture.exported import load_program
+from dlspass.onnx.convert import load_onnx, onnx_meta
 
 FLAGS = {
     "mlp": ("--no-mixed-precision", "--optimizer", "adam", "--lr", "0.01"),

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import dlspass
-from dlspass import roles
-from dlspass.compile_step import CompileError
-from dlspass.faults import FAULT_STEP, PRE_FAULT_GRAD, Fault, FaultError, install_faults
+from dlspass.capture.compiled_step import CompileError
+from dlspass.debug.faults import FAULT_STEP, PRE_FAULT_GRAD, Fault, FaultError, install_faults
+from dlspass.graph import roles
 from dlspass.models import MLP
 
 STEPS = 12

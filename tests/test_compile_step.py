@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import dlspass
-from dlspass import roles
-from dlspass.compile_step import CompileError
+from dlspass.capture.compiled_step import CompileError
 from dlspass.config import ConfigError
-from dlspass.kernel_count import KernelCount, count_kernels
+from dlspass.debug.kernel_count import KernelCount, count_kernels
+from dlspass.graph import roles
 from dlspass.models import MLP, TinyGPT, copy_task_batch, gpt_loss
 
 OVERFLOW_STEPS = (4, 9, 10)

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import dlspass
-from dlspass import dynamo_backend, formats, roles
+from dlspass import formats
+from dlspass.capture import dynamo_backend
 from dlspass.config import ConfigError
+from dlspass.graph import roles
 
 assert formats.round_to_format  # registers the dlspass::round_to_format op
 ROUND = torch.ops.dlspass.round_to_format.default

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dlspass
-from dlspass.faults import (
+from dlspass.debug.faults import (
     FAULT,
     EagerFaultInjector,
     Fault,
@@ -162,7 +162,7 @@ def activation_nodes() -> list[str]:
     # forward activations: the matmul outputs and ReLUs before the loss
     names = []
     for n in step.graph_module.graph.nodes:
-        if n.op == "call_function" and dlspass.roles.role_of(n) == "loss":
+        if n.op == "call_function" and dlspass.graph.roles.role_of(n) == "loss":
             break
         if n.op == "call_function" and n.target in (torch.ops.aten.addmm.default,
                                                      torch.ops.aten.relu.default):
@@ -175,7 +175,7 @@ def test_captured_random_faults_1000_steps(activation_nodes: list[str]) -> None:
     faults = random_faults(STEPS, RATE, grads=GRADS, activations=activation_nodes, seed=11)
     model, opt, step = captured()
     schedule = install_faults(step, faults)
-    assert sum(dlspass.roles.role_of(n) == FAULT for n in schedule.graph_module.graph.nodes) >= 2 * len(faults)
+    assert sum(dlspass.graph.roles.role_of(n) == FAULT for n in schedule.graph_module.graph.nodes) >= 2 * len(faults)
     loss_faults = {f.step for f in faults if f.kind == "loss"}
     skipped = set()
     for k in range(STEPS):

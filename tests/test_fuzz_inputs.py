@@ -1,6 +1,6 @@
 """Hostile inputs: truncated, bit-flipped, re-zipped and random .pt2, .onnx and YAML files.
 
-Contract (dlspass/cli.py): bad input is one line on stderr (``dlspass: error: ...``) and exit
+Contract (dlspass/cli/commands.py): bad input is one line on stderr (``dlspass: error: ...``) and exit
 code 2, never a traceback (exit 3 is an internal error, i.e. a bug), never a hang, never a
 partial output file. Each format gets >= 300 generated inputs through the in-process CLI
 entry ``dlspass.cli.run(argv)`` (or, for YAML, the loader itself); a few subprocess cases check

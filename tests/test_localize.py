@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dlspass
-from dlspass.faults import Fault, install_faults
-from dlspass.localize import OverflowReport, localize_overflow, nonfinite_grads
+from dlspass.debug.faults import Fault, install_faults
+from dlspass.debug.localize import OverflowReport, localize_overflow, nonfinite_grads
 from dlspass.models import MLP, TinyGPT, gpt_loss, mse_loss
 
 
@@ -59,7 +59,7 @@ def test_float16_input_overflow_names_the_cast_in_fc1(fp16_step) -> None:
     rep = localize_overflow(step, batch(1, scale=1e5))
     assert rep.overflowed and rep.phase == "forward"
     node = next(n for n in step.graph_module.graph.nodes if n.name == rep.origin)
-    assert dlspass.roles.role_of(node) == dlspass.roles.CAST, rep
+    assert dlspass.graph.roles.role_of(node) == dlspass.graph.roles.CAST, rep
     assert rep.module == "fc1" and rep.module_source == "parameters"
     # the independent check: the same input rounded to float16 in eager is inf
     assert torch.isinf(batch(1, scale=1e5)[0].to(torch.float16)).any()
@@ -90,7 +90,7 @@ def test_injected_faults_are_found(fp32_step, fault: Fault, origin_module, grads
     finally:
         schedule.remove()
     node = next(n for n in schedule.graph_module.graph.nodes if n.name == rep.origin)
-    assert dlspass.roles.role_of(node) == "fault"
+    assert dlspass.graph.roles.role_of(node) == "fault"
     if origin_module:
         assert rep.module == origin_module
     if grads is not None:
@@ -150,7 +150,7 @@ def test_eager_backward_only_overflow() -> None:
     model = MLP()
     rep = localize_overflow(model, batch(), mse_loss, scaler=None)
     assert not rep.overflowed
-    from dlspass.localize import localize_eager
+    from dlspass.debug.localize import localize_eager
 
     rep = localize_eager(model, batch(0, 100.0), mse_loss, scale=3e38)
     assert rep.origin is None and rep.phase == "backward" and rep.nonfinite_grads

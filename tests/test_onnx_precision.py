@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 
 from dlspass.config import DLSConfig
 from dlspass.formats import get_format, round_to_format
-from dlspass.onnx_io import CAST_ROLE_KEY, LOWERED_OPS, lower_precision_onnx
+from dlspass.onnx.convert import CAST_ROLE_KEY, LOWERED_OPS, lower_precision_onnx
 from dlspass.scale_policy import STATE_FIELDS, init_state
 
 FORMATS = ("float16", "cbfloat16", "bfloat16")
@@ -253,7 +253,7 @@ def test_bfloat16_without_mixed_precision_is_refused(models, tmp_path, capsys):
 
 
 def test_lowering_twice_is_refused(models):
-    from dlspass.export_io import InputError
+    from dlspass.capture.exported import InputError
 
     with pytest.raises(InputError, match="already has dlspass precision casts"):
         lower_precision_onnx(onnx.load(str(models["float16"])), "float16")

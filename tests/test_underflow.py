@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 import dlspass
-from dlspass.demo import emulate_format
+from dlspass.cli.demo import emulate_format
 from dlspass.formats import CBFLOAT16, FLOAT16, round_to_format
 from dlspass.models import MLP, mse_loss
 

@@ -2,32 +2,25 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from stepgraph import mlp_step
 
-sys.path.insert(0, str(Path(__file__).parent / "passes"))
-
-
-from dlspass.passes import apply_dls  # noqa: E402
-from stepgraph import mlp_step  # noqa: E402
-
-from dlspass import roles  # noqa: E402
-from dlspass.config import DLSConfig  # noqa: E402
-from dlspass.invariants import VerificationError, verify  # noqa: E402
+from dlspass.config import DLSConfig
+from dlspass.graph import roles
+from dlspass.graph.invariants import VerificationError, verify
+from dlspass.passes import apply_dls
 
 aten = torch.ops.aten
 
 
 @pytest.fixture
-def gm():  # noqa: ANN201
+def gm():
     cfg = DLSConfig(mixed_precision=False)
     return apply_dls(mlp_step(cfg).gm, cfg)
 
 
-def _output(gm, role: str, target: str):  # noqa: ANN001, ANN202
+def _output(gm, role: str, target: str):
     return roles.output_value(gm.graph, role, target)
 
 
@@ -36,11 +29,11 @@ def _output(gm, role: str, target: str):  # noqa: ANN001, ANN202
     DLSConfig(fp16_type="cbfloat16", max_gradient_value=1.0), DLSConfig(loss_scale=64.0),
     DLSConfig(fp16_type="bfloat16"), None,
 ])
-def test_pipeline_outputs_verify(cfg) -> None:  # noqa: ANN001
+def test_pipeline_outputs_verify(cfg) -> None:
     assert verify(apply_dls(mlp_step(cfg).gm, cfg)) is True
 
 
-def test_unguarded_update_is_rejected(gm) -> None:  # noqa: ANN001
+def test_unguarded_update_is_rejected(gm) -> None:
     i, guard = _output(gm, roles.PARAM_UPDATE, "fc2.weight")
     vals = list(roles.output_values(gm.graph))
     vals[i] = guard.args[1]  # the raw optimizer result
@@ -49,7 +42,7 @@ def test_unguarded_update_is_rejected(gm) -> None:  # noqa: ANN001
         verify(gm)
 
 
-def test_guard_falling_back_to_the_wrong_placeholder_is_rejected(gm) -> None:  # noqa: ANN001
+def test_guard_falling_back_to_the_wrong_placeholder_is_rejected(gm) -> None:
     _, guard = _output(gm, roles.OPT_STATE_UPDATE, "fc1.bias.momentum_buffer")
     other = next(n for n in gm.graph.find_nodes(op="placeholder")
                  if roles.target_of(n) == "fc2.bias.momentum_buffer")
@@ -58,7 +51,7 @@ def test_guard_falling_back_to_the_wrong_placeholder_is_rejected(gm) -> None:  #
         verify(gm)
 
 
-def test_second_unscale_is_rejected(gm) -> None:  # noqa: ANN001
+def test_second_unscale_is_rejected(gm) -> None:
     unscaled = next(n for n in roles.nodes_with_role(gm.graph, roles.UNSCALE)
                     if roles.target_of(n) == "fc1.weight")
     recip = next(n for n in roles.nodes_with_role(gm.graph, roles.UNSCALE)
@@ -73,7 +66,7 @@ def test_second_unscale_is_rejected(gm) -> None:  # noqa: ANN001
         verify(gm)
 
 
-def test_unscale_with_a_different_scale_is_rejected(gm) -> None:  # noqa: ANN001
+def test_unscale_with_a_different_scale_is_rejected(gm) -> None:
     recip = next(n for n in roles.nodes_with_role(gm.graph, roles.UNSCALE)
                  if n.target is aten.reciprocal.default)
     wrong = next(n for n in gm.graph.find_nodes(op="placeholder")
@@ -83,7 +76,7 @@ def test_unscale_with_a_different_scale_is_rejected(gm) -> None:  # noqa: ANN001
         verify(gm)
 
 
-def test_gradient_that_bypasses_unscale_is_rejected(gm) -> None:  # noqa: ANN001
+def test_gradient_that_bypasses_unscale_is_rejected(gm) -> None:
     unscaled = next(n for n in roles.nodes_with_role(gm.graph, roles.UNSCALE)
                     if roles.target_of(n) == "fc3.bias")
     raw = unscaled.args[0]
@@ -92,7 +85,7 @@ def test_gradient_that_bypasses_unscale_is_rejected(gm) -> None:  # noqa: ANN001
         verify(gm)
 
 
-def test_unscaled_seed_is_rejected(gm) -> None:  # noqa: ANN001
+def test_unscaled_seed_is_rejected(gm) -> None:
     seed = roles.the_node(gm.graph, roles.SEED)
     scaled = next(iter(seed.users))
     scaled.replace_all_uses_with(seed)
@@ -100,7 +93,7 @@ def test_unscaled_seed_is_rejected(gm) -> None:  # noqa: ANN001
         verify(gm)
 
 
-def test_guard_condition_must_depend_on_the_gradients(gm) -> None:  # noqa: ANN001
+def test_guard_condition_must_depend_on_the_gradients(gm) -> None:
     _, guard = _output(gm, roles.PARAM_UPDATE, "fc1.bias")
     with gm.graph.inserting_before(guard):
         true = gm.graph.call_function(aten.scalar_tensor.default, (1.0,), {"dtype": torch.bool})
@@ -110,7 +103,7 @@ def test_guard_condition_must_depend_on_the_gradients(gm) -> None:  # noqa: ANN0
         verify(gm)
 
 
-def test_exponentially_many_paths_verify_in_linear_time(gm) -> None:  # noqa: ANN001
+def test_exponentially_many_paths_verify_in_linear_time(gm) -> None:
     # 2**400 seed-to-update paths: path enumeration would never finish
     scaled = roles.the_node(gm.graph, roles.SCALED_SEED)
     users = [u for u in scaled.users]

@@ -1,7 +1,7 @@
 """Capture one training step (forward, backward, optimizer update) as one pure ATen FX graph.
 
 ``trace_step`` builds the role-tagged graph with ``make_fx`` over ``torch.func`` (the capture
-contract is in ``dlspass/roles.py``); ``capture_step`` adds the DLS rewrite and returns a
+contract is in ``dlspass/graph/roles.py``); ``capture_step`` adds the DLS rewrite and returns a
 callable that runs the graph and writes parameters, buffers, optimizer state and scaler state
 back into the user's objects.
 """
@@ -20,11 +20,11 @@ from torch import Tensor, nn
 from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .. import roles
-from ..config import DLSConfig
-from ..errors import DLSInputError
-from ..marks import mark, resolve_marks
-from ..scale_policy import STATE_FIELDS, ScalerState, init_state
+from dlspass.config import DLSConfig
+from dlspass.errors import DLSInputError
+from dlspass.graph import roles
+from dlspass.graph.marks import mark, resolve_marks
+from dlspass.scale_policy import STATE_FIELDS, ScalerState, init_state
 
 # native_batch_norm mutates its running statistics without declaring it in its schema, so
 # functionalization cannot see the mutation; its decomposition makes the update explicit.
@@ -108,7 +108,7 @@ def trace_step(
 def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
            optimizer: torch.optim.Optimizer, example_batch: Any, config: DLSConfig | None,
            unused: frozenset[str]) -> tuple[fx.GraphModule, StepLayout, Any]:
-    from .optim import functionalize
+    from dlspass.capture.optim import functionalize
 
     _check_params(model)
     names = _param_names(model)
@@ -301,7 +301,7 @@ class CapturedStep:
 def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx
 
-    from ..formats import decompose_rounding
+    from dlspass.formats import decompose_rounding
 
     gm = copy.deepcopy(gm)  # the rewritten graph stays inspectable, with its rounding op
     decompose_rounding(gm)
@@ -309,7 +309,7 @@ def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
 
 
 def _make_scaler(config: DLSConfig | None) -> Any:
-    from ..scaler import GradScaler
+    from dlspass.scaler import GradScaler
 
     return GradScaler(config=config or DLSConfig(loss_scale=None, mixed_precision=False))
 
@@ -346,7 +346,7 @@ def capture_step(
         32768.0
     """
     if process_group is not None:
-        from ..distributed import capture_step_distributed
+        from dlspass.distributed import capture_step_distributed
 
         return capture_step_distributed(
             model, loss_fn, optimizer, example_batch, config, process_group=process_group,

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import DLSInputError
+from dlspass.errors import DLSInputError
 
 SUPPORTED_OPTIMIZERS = ("SGD", "Adam", "AdamW")
 

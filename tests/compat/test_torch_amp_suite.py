@@ -1,4 +1,4 @@
-# ruff: noqa: B007, B023, B905
+# ruff: noqa: B023, B905
 """PyTorch's own GradScaler tests, run against torch.amp.GradScaler and against dlspass.
 
 Origin (PyTorch, BSD-3-Clause; the notice is at the end of this docstring):

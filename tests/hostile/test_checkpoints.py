@@ -251,7 +251,7 @@ def _bomb_item(tmp_path: Path) -> Path:
     (_bomb_item, "zip bomb", False),
 ])
 def test_crafted_dcp_folder_cannot_run_code(tmp_path, monkeypatch, build, words, live):
-    from dlspass.dcp_reader import UnsafeCheckpointError
+    from dlspass.files.dcp_reader import UnsafeCheckpointError
 
     folder = build(tmp_path)
     work = tmp_path / "work"

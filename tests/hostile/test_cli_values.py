@@ -88,8 +88,8 @@ def test_over_long_and_looping_paths_are_input_errors(capsys, tmp_path):
 ])
 def test_python_api_optimizer_spec_refuses_what_the_cli_refuses(field, value):
     """`OptimizerSpec` (the Python API behind `transform`) checks values as the CLI does."""
+    from dlspass.capture.exported import OptimizerSpec
     from dlspass.errors import DLSInputError
-    from dlspass.export_io import OptimizerSpec
 
     kind = "adam" if field in ("eps", "betas") else "sgd"
     with pytest.raises(DLSInputError, match=field.replace("_", "-")):

@@ -16,9 +16,9 @@ import torch
 import torch.fx as fx
 from hostile_files import chain_onnx
 
-from dlspass import roles
 from dlspass.cli import run
-from dlspass.inspect_report import render, summarize_file, summarize_graph
+from dlspass.debug.inspect_report import render, summarize_file, summarize_graph
+from dlspass.graph import roles
 
 pytestmark = pytest.mark.timeout(180)
 ESC_NAME = "evil\x1b]0;owned\x07\x1b[2J\x9b31m"

@@ -8,17 +8,14 @@ JSON values. Every case goes through ``inspect``, ``verify`` and ``transform`` (
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
+import cli_factories as cf
 import pytest
-from hostile_files import TESTS, members, rewrite
+from hostile_files import members, rewrite
 
 from dlspass.cli import run
-
-sys.path.insert(0, str(TESTS))
-import cli_factories as cf  # noqa: E402 - needs the tests folder on sys.path
 
 pytestmark = pytest.mark.timeout(600)
 META = "extra/dlspass.json"

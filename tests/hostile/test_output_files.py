@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from hostile_files import TESTS, save_tiny
 
-from dlspass.atomic_write import write_atomic
 from dlspass.cli import run
+from dlspass.files.atomic_write import write_atomic
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -59,7 +59,7 @@ def test_write_atomic_keeps_mode_and_content_on_failure(tmp_path):
 _SLOW_WRITER = """
 import sys, time
 from pathlib import Path
-from dlspass.atomic_write import write_atomic
+from dlspass.files.atomic_write import write_atomic
 
 def slow(tmp):
     Path(tmp).write_bytes(b"partial")
@@ -94,7 +94,7 @@ def test_signal_during_a_write_leaves_no_temporary_file(tmp_path, sig):
 def test_pt2_records_a_stable_root_folder(tmp_path):
     import torch
 
-    from dlspass.export_io import load_program, save_program
+    from dlspass.capture.exported import load_program, save_program
 
     ep = torch.export.load(str(save_tiny(tmp_path / "tiny.pt2")))
     out = tmp_path / "joint.pt2"

@@ -31,7 +31,7 @@ from hostile_files import (
 )
 
 from dlspass.cli import run
-from dlspass.pt2_archive import UnsafeArchiveError, check_pt2_archive
+from dlspass.files.pt2_archive import UnsafeArchiveError, check_pt2_archive
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import math
 import os
-import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -36,12 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import zoo
 from torch import Tensor, nn
 
 import dlspass
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import zoo  # noqa: E402 - the CLI factories are imported as ``zoo:cli_<name>``
 
 STEPS = 10
 OVERFLOW_STEP = 4

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-import harness  # tests/models is on sys.path (pytest rootdir import mode)
+import harness  # tests/models is on pytest's pythonpath (pyproject.toml)
 import known
 import pytest
 import torch

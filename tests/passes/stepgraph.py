@@ -1,4 +1,4 @@
-"""A hand-written captured training step (model + SGD with momentum) following dlspass.roles.
+"""A hand-written captured training step (model + SGD with momentum) following dlspass.graph.roles.
 
 Used by the pass tests and the pass-time benchmark until ``dlspass.capture`` can be relied on:
 ``make_fx`` over ``torch.func.vjp`` with the loss, seed and gradients marked, placeholders and
@@ -16,9 +16,9 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dlspass import roles
 from dlspass.config import DLSConfig
-from dlspass.marks import mark, resolve_marks
+from dlspass.graph import roles
+from dlspass.graph.marks import mark, resolve_marks
 from dlspass.models import MLP, SmallCNN, TinyGPT, ce_loss, gpt_loss, mse_loss
 from dlspass.scale_policy import STATE_FIELDS, ScalerState, init_state
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import torch
-from dlspass.passes import ClipGradNormPass, apply_dls
 from stepgraph import eager_grads, mlp_step, node_values, run
 
-from dlspass import roles
 from dlspass.config import DLSConfig
+from dlspass.graph import roles
+from dlspass.passes import ClipGradNormPass, apply_dls
 
 
-def _clip_nodes(gm):  # noqa: ANN001, ANN202
+def _clip_nodes(gm):
     return [n for n in roles.nodes_with_role(gm.graph, roles.CLIP) if roles.target_of(n)]
 
 
@@ -78,8 +78,9 @@ def test_unscaled_clipping_leaves_the_backwards_reads_of_a_gradient_unclipped() 
     """No scaling: clip reads the raw gradients, and BatchNorm's bias gradient, which its input
     gradient reuses in the exported backward, stays unclipped there (conv -> BatchNorm ->
     linear; the same model as in test_unscale_grads_pass.py)."""
-    from dlspass.passes._common import backward_nodes
     from test_unscale_grads_pass import _exported_step
+
+    from dlspass.passes.base import backward_nodes
 
     cfg = DLSConfig(loss_scale=None, mixed_precision=False, max_gradient_norm=0.05)
     model, batch, gm, inputs = _exported_step(cfg)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from dlspass.passes import GuardUpdatesPass, apply_dls
 from stepgraph import cnn_step, mlp_step, reference_step, run
 
-from dlspass import roles
 from dlspass.config import DLSConfig
+from dlspass.graph import roles
+from dlspass.passes import GuardUpdatesPass, apply_dls
 from dlspass.scale_policy import init_state
 
 CFG = DLSConfig(mixed_precision=False)

@@ -6,12 +6,12 @@ import operator
 
 import pytest
 import torch
-from dlspass.passes import LowerPrecisionPass, apply_dls
 from stepgraph import cnn_step, gpt_step, mlp_step, run, trace_step
 
-from dlspass import roles
 from dlspass.config import DLSConfig
+from dlspass.graph import roles
 from dlspass.models import MLP, mse_loss
+from dlspass.passes import LowerPrecisionPass, apply_dls
 from dlspass.precision_policy import DEFAULT_LOWER_OPS, VALUE_PRESERVING_OPS, WHOLE_VIEW_OPS
 
 aten = torch.ops.aten
@@ -95,7 +95,7 @@ def test_rounding_only_around_listed_ops_everything_else_fp32() -> None:
             assert v.dtype == torch.float32, n.name
 
 
-def _tiny_loss_step(cfg):  # noqa: ANN001, ANN202
+def _tiny_loss_step(cfg):
     torch.manual_seed(0)
     model = MLP(d_in=4, d_hidden=8, d_out=3)
     return trace_step(model, lambda m, b: mse_loss(m, b) * 1e-9,
@@ -161,7 +161,7 @@ def test_bad_modes_are_clear_errors_and_pass_is_idempotent() -> None:
 
 
 @pytest.mark.parametrize("make", [cnn_step, gpt_step], ids=["cnn", "gpt"])
-def test_native_pipeline_runs_conv_and_bmm_in_float16_close_to_emulation(make) -> None:  # noqa: ANN001
+def test_native_pipeline_runs_conv_and_bmm_in_float16_close_to_emulation(make) -> None:
     cfg = DLSConfig()
     native_step, emul_step = make(cfg), make(cfg)
     native = apply_dls(native_step.gm, cfg, precision_mode="native")

@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
-from dlspass.passes import PassContractError, applied_passes, apply_dls, recorded_config
 from stepgraph import cnn_step, mlp_step, reference_step, run
 
-from dlspass import roles
 from dlspass.config import DLSConfig
+from dlspass.graph import roles
+from dlspass.passes import PassContractError, applied_passes, apply_dls, recorded_config
 from dlspass.scale_policy import ScalerState
 
 FP32 = DLSConfig(mixed_precision=False, initial_loss_scale=1024.0, steps_per_increase=2)
@@ -27,7 +27,7 @@ def _assert_matches(got: dict, ref: dict) -> None:
 
 
 @pytest.mark.parametrize("make", [mlp_step, cnn_step], ids=["mlp", "cnn_batchnorm"])
-def test_fp32_pipeline_matches_eager_reference(make) -> None:  # noqa: ANN001
+def test_fp32_pipeline_matches_eager_reference(make) -> None:
     step = make(FP32)
     gm = apply_dls(step.gm, FP32)
     _assert_matches(run(step, gm), reference_step(step, FP32))
@@ -104,7 +104,7 @@ def test_static_scale_scales_and_unscales_but_never_skips() -> None:
 
 @pytest.mark.parametrize("cfg", [None, DLSConfig(loss_scale=None, mixed_precision=False),
                                  DLSConfig(fp16_type="bfloat16", mixed_precision=False)])
-def test_no_scaling_leaves_the_graph_as_captured(cfg) -> None:  # noqa: ANN001
+def test_no_scaling_leaves_the_graph_as_captured(cfg) -> None:
     step = mlp_step(cfg)
     code = step.gm.code
     gm = apply_dls(step.gm, cfg)
@@ -153,8 +153,8 @@ def test_real_capture_adam_overflow_skips_bit_identically() -> None:
     assert float(step.scaler.state.loss_scale) == 32768.0  # halved, then capped at the max
 
 
-def verify_ok(gm) -> bool:  # noqa: ANN001
-    from dlspass.invariants import verify
+def verify_ok(gm) -> bool:
+    from dlspass.graph.invariants import verify
 
     return verify(gm)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dlspass.passes import PassContractError, ScaleSeedPass
 from stepgraph import mlp_step, node_values
 
-from dlspass import roles
 from dlspass.config import DLSConfig
+from dlspass.graph import roles
+from dlspass.passes import PassContractError, ScaleSeedPass
 from dlspass.scale_policy import init_state
 
 CFG = DLSConfig(mixed_precision=False, initial_loss_scale=1024.0)

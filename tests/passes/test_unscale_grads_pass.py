@@ -6,15 +6,15 @@ import math
 
 import pytest
 import torch
-from dlspass.passes import ScaleSeedPass, UnscaleGradsPass
 from stepgraph import eager_grads, mlp_step, node_values
 
-from dlspass import roles
 from dlspass.config import DLSConfig
+from dlspass.graph import roles
+from dlspass.passes import ScaleSeedPass, UnscaleGradsPass
 from dlspass.scale_policy import init_state
 
 
-def _apply(cfg: DLSConfig):  # noqa: ANN202
+def _apply(cfg: DLSConfig):
     step = mlp_step(cfg)
     for p in (ScaleSeedPass(cfg), UnscaleGradsPass(cfg)):
         p(step.gm)
@@ -22,7 +22,7 @@ def _apply(cfg: DLSConfig):  # noqa: ANN202
     return step
 
 
-def _global(gm, role: str):  # noqa: ANN001, ANN202
+def _global(gm, role: str):
     return [n for n in roles.nodes_with_role(gm.graph, role) if roles.target_of(n) == "global"]
 
 
@@ -108,8 +108,8 @@ class _ConvBNLinear(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.fc(h), y)
 
 
-def _exported_step(cfg: DLSConfig):  # noqa: ANN202
-    from dlspass.export_io import OptimizerSpec, build_step, joint_program
+def _exported_step(cfg: DLSConfig):
+    from dlspass.capture.exported import OptimizerSpec, build_step, joint_program
 
     torch.manual_seed(0)
     model = _ConvBNLinear()
@@ -122,7 +122,7 @@ def _exported_step(cfg: DLSConfig):  # noqa: ANN202
 
 
 def test_a_gradient_used_inside_the_backward_keeps_its_scaled_value_there() -> None:
-    from dlspass.passes._common import backward_nodes
+    from dlspass.passes.base import backward_nodes
 
     cfg = DLSConfig(mixed_precision=False, initial_loss_scale=2.0**10)
     model, batch, gm, inputs = _exported_step(cfg)

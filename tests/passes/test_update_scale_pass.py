@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dlspass.passes import UpdateScalePass, apply_dls
 from stepgraph import mlp_step, run
 
-from dlspass import roles
 from dlspass.config import DLSConfig
+from dlspass.graph import roles
+from dlspass.passes import UpdateScalePass, apply_dls
 from dlspass.scale_policy import STATE_FIELDS, init_state, update_state
 
 
-def _nan_batch(step):  # noqa: ANN001, ANN202
+def _nan_batch(step):
     return [step.batch[0] * float("nan"), step.batch[1]]
 
 

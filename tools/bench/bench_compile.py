@@ -11,7 +11,7 @@ Configurations, each compiled with inductor, timed in interleaved repeats (media
 
 Also: where the time of the ``dls`` and ``torch`` steps goes (``breakdown.py``), and the kernels
 inductor generates for ``plain`` and ``dls`` at 2 and 4 blocks (goal: DLS adds at most 4 kernel
-launches; ``dlspass.kernel_count``).
+launches; ``dlspass.debug.kernel_count``).
 
 Run: ``.venv/bin/python tools/bench/bench_compile.py [--repeats 15] [--steps 3] [--small]``;
 writes ``tools/bench/results/compile.md`` (``--small``: a d=32 model, a smoke run that writes
@@ -33,11 +33,11 @@ import torch
 from torch._dynamo.utils import counters
 
 import dlspass
-from dlspass.kernel_count import count_kernels
+from dlspass.debug.kernel_count import count_kernels
 from dlspass.models import TinyGPT, copy_task_batch, gpt_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from breakdown import BUCKETS, breakdown  # noqa: E402
+from breakdown import BUCKETS, breakdown
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compile.md"
 GOALS = {"plain": ("dls / plain", 1.02), "torch": ("dls / torch", 1.0), "cb16": ("cb16 / dls", 1.2)}
@@ -210,7 +210,7 @@ def report(results: dict[str, dict[str, float]], command: str, repeats: int, ste
                      + f" | {r['bd:wall']:.1f} |")
     if kernels:
         lines += ["", "Kernels inductor generates for the fp32 step (launches per step; "
-                  "definitions in parentheses; `dlspass.kernel_count`); the goal is set on the "
+                  "definitions in parentheses; `dlspass.debug.kernel_count`); the goal is set on the "
                   "anchor, the small size shows how the count moves with the shapes:", "",
                   "| size | blocks | without DLS | with DLS | DLS adds (launches) | goal | status |",
                   "|---|---|---|---|---|---|---|"]

@@ -22,7 +22,7 @@ RESULTS = Path(__file__).parent / "results" / "pass_time.md"
 LAYERS = (2, 8, 16, 32, 48)
 
 
-def _capture(n_layer: int, config: DLSConfig):  # noqa: ANN202
+def _capture(n_layer: int, config: DLSConfig):
     """The un-rewritten step graph (Adam) of a TinyGPT with ``n_layer`` blocks."""
     from dlspass.capture.functional import trace_step
 

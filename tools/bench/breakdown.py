@@ -21,7 +21,7 @@ _COMPILED = ("Torch-Compiled Region", "CompiledFunction", "## Call CompiledFxGra
 BUCKETS = ("matmul", "compiled kernels", "eager ops", "host")
 
 
-def _in_compiled(ev) -> bool:  # noqa: ANN001 - torch.autograd.profiler_util.FunctionEvent
+def _in_compiled(ev) -> bool:
     while ev is not None:
         if ev.name.startswith(_COMPILED) or "CompiledFunction" in ev.name:
             return True

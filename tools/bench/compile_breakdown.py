@@ -11,7 +11,7 @@ program). Children run in turn, never at once, so they share the machine's load 
 Timers are torch's own (``torch._dynamo.utils.compile_times()``; they are inclusive, so a
 row's parts nest as the column names say) plus the dlspass passes (``apply_dls``,
 ``tag_aot_graph``, ``write_updates_in_place``), timed by wrapping them. Counts come from
-``torch._dynamo.utils.counters`` and ``dlspass.kernel_count`` (kernel launches per step).
+``torch._dynamo.utils.counters`` and ``dlspass.debug.kernel_count`` (kernel launches per step).
 """
 
 from __future__ import annotations
@@ -96,9 +96,8 @@ def _build(model_name: str, config: str) -> tuple[Callable, tuple]:
 
 def _time_dlspass_passes() -> dict[str, float]:
     """Wrap the dlspass graph passes so their time is recorded (seconds, summed)."""
+    import dlspass.capture.compiled_step as cs
     import dlspass.passes as dp
-
-    import dlspass.compile_step as cs
 
     spent: dict[str, float] = {"dlspass passes": 0.0}
 
@@ -123,7 +122,7 @@ def child(model_name: str, config: str) -> dict:
     from torch._dynamo.utils import compile_times, counters
     from torch._inductor.utils import run_and_get_code
 
-    from dlspass.kernel_count import count_kernels
+    from dlspass.debug.kernel_count import count_kernels
 
     torch.set_num_threads(1)
     import_s = time.perf_counter() - t_import

@@ -18,7 +18,7 @@ import time
 import torch
 
 import dlspass
-from dlspass.faults import EagerFaultInjector, install_faults, random_faults
+from dlspass.debug.faults import EagerFaultInjector, install_faults, random_faults
 from dlspass.models import MLP, mse_loss
 
 GRADS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
@@ -108,7 +108,7 @@ def captured_activation_nodes() -> list[str]:
                                 config=dlspass.DLSConfig(mixed_precision=False))
     out = []
     for n in step.graph_module.graph.nodes:
-        if dlspass.roles.role_of(n) == "loss":
+        if dlspass.graph.roles.role_of(n) == "loss":
             break
         if n.op == "call_function" and n.target in (torch.ops.aten.addmm.default,
                                                      torch.ops.aten.relu.default):

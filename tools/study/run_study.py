@@ -113,7 +113,7 @@ class Emulate16(TorchDispatchMode):
     """Round every float32 input and output of the precision pass's ops to ``fmt``.
 
     Works below autograd, so the backward's mm/bmm/convolution_backward are rounded too: the
-    eager twin of ``LowerPrecisionPass`` (``dlspass.demo.emulate_format`` rounds only around
+    eager twin of ``LowerPrecisionPass`` (``dlspass.cli.demo.emulate_format`` rounds only around
     ``nn.Linear``, which misses GPT-2's ``Conv1D``, LeNet's ``Conv2d`` and attention's bmm).
     """
 
@@ -131,7 +131,7 @@ class Emulate16(TorchDispatchMode):
             return self._round(t, self.fmt)
         return t
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in self._ops:
             return func(*args, **kwargs)

@@ -7,7 +7,7 @@ forward-backward program (``torch.export.experimental._export_forward_backward``
 1. a copy of the joint graph module gets a ``dlspass::mark`` on its backward seed
    (``full_like(loss, 1)``);
 2. ``make_fx`` traces ``joint(params, buffers, inputs)`` followed by the functional optimizer
-   update, marking loss and gradients, which lays the graph out as ``dlspass.roles`` describes;
+   update, marking loss and gradients, which lays the graph out as ``dlspass.graph.roles`` describes;
 3. ``dlspass.passes.apply_dls`` rewrites it;
 4. the graph is re-packaged as an ``ExportedProgram``: parameters are PARAMETERs, optimizer
    state, scaler state and hyperparameters are BUFFERs, the model's inputs are USER_INPUTs;
@@ -42,13 +42,13 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from . import roles
-from .atomic_write import write_atomic  # also imported from here by cli and onnx_io
-from .bounded_text import excerpt
-from .config import DLSConfig
-from .errors import DLSInputError
-from .file_meta import check_pt2_meta
-from .pt2_archive import check_pt2_archive, save_pt2
+from dlspass.config import DLSConfig
+from dlspass.errors import DLSInputError
+from dlspass.files.atomic_write import write_atomic  # also imported from here by cli and onnx_io
+from dlspass.files.bounded_text import excerpt
+from dlspass.files.file_meta import check_pt2_meta
+from dlspass.files.pt2_archive import check_pt2_archive, save_pt2
+from dlspass.graph import roles
 
 META_FILE = "dlspass.json"
 FORMAT_VERSION = 1
@@ -414,7 +414,7 @@ def _joint(ep: torch.export.ExportedProgram, source: str) -> _Joint:
     if len(seeds) != 1:
         raise InputError(f"{source}: cannot find the backward seed full_like({loss_name}, 1) "
                          f"(found {len(seeds)})")
-    from .marks import MARK_OP
+    from dlspass.graph.marks import MARK_OP
 
     seed = seeds[0]
     with gm.graph.inserting_after(seed):
@@ -443,9 +443,9 @@ def build_step(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec, confi
     """The role-tagged (not yet rewritten) training step of the joint program ``ep``."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from .capture.optim import functionalize
-    from .marks import mark, resolve_marks
-    from .scale_policy import STATE_FIELDS, init_state
+    from dlspass.capture.optim import functionalize
+    from dlspass.graph.marks import mark, resolve_marks
+    from dlspass.scale_policy import STATE_FIELDS, init_state
 
     j = _joint(ep, source)
     sd = ep.state_dict
@@ -643,7 +643,7 @@ def package_step(gm: fx.GraphModule, info: StepInfo) -> tuple[torch.export.Expor
                 spec_kind = OutputKind.BUFFER_MUTATION
                 spec_target = target if src == roles.BUFFER else _buffer_name(src, target)
         if v in seen or v.op == "placeholder":
-            from .splice import set_fake_val
+            from dlspass.graph.splice import set_fake_val
 
             with graph.inserting_before(graph.output_node()):
                 dup = graph.call_function(torch.ops.aten.clone.default, (v,))
@@ -713,7 +713,7 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
     gm, info = build_step(ep, optimizer, config, source)
     gm = apply_dls(gm, config, precision_mode=precision_mode)
     if rounding == "aten":
-        from .formats import decompose_rounding
+        from dlspass.formats import decompose_rounding
 
         decompose_rounding(gm, form="bits")
     out, roles_meta = package_step(gm, info)

@@ -16,8 +16,8 @@ import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import roles
-from .errors import DLSInternalError
+from dlspass.errors import DLSInternalError
+from dlspass.graph import roles
 
 
 class SpliceError(DLSInternalError, RuntimeError):

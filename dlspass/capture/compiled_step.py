@@ -11,7 +11,7 @@ purpose), so while the compiled step runs:
    recompile) and writes parameters, optimizer state and the (passed-through) scaler state back
    in place, which AOTAutograd turns into graph outputs;
 2. parameters, gradients, optimizer state, scaler state, hyperparameters and updates are
-   wrapped in ``dlspass.marks.mark`` so the AOTAutograd graph carries roles;
+   wrapped in ``dlspass.graph.marks.mark`` so the AOTAutograd graph carries roles;
 3. the AOT forward compiler (``tag_aot_graph``) moves those roles onto placeholders and
    outputs, tags the backward seed (the ``ones_like(loss)`` every gradient depends on) and runs
    ``dlspass.passes.apply_dls``: 16-bit lowering, seed scaling, unscale and overflow check,
@@ -41,11 +41,17 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from . import roles, scale_policy
-from .capture.optim import FunctionalOptimizer, UnsupportedOptimizerError, functionalize, update_one
-from .config import ConfigError, DLSConfig
-from .errors import DLSInputError
-from .marks import mark, resolve_marks
+from dlspass import scale_policy
+from dlspass.capture.optim import (
+    FunctionalOptimizer,
+    UnsupportedOptimizerError,
+    functionalize,
+    update_one,
+)
+from dlspass.config import ConfigError, DLSConfig
+from dlspass.errors import DLSInputError
+from dlspass.graph import roles
+from dlspass.graph.marks import mark, resolve_marks
 
 BACKEND_COMPILERS = ("inductor", "eager")
 SUPPORTED_OPTIMIZERS = ("torch.optim.SGD", "torch.optim.Adam", "torch.optim.AdamW")
@@ -327,7 +333,7 @@ _SOURCE_OF = {upd: src for src, upd in _UPDATE_OF.items()}
 
 
 def tag_aot_graph(gm: fx.GraphModule) -> None:
-    """Give the AOTAutograd step graph the role contract ``apply_dls`` reads (dlspass.roles).
+    """Give the AOTAutograd step graph the role contract ``apply_dls`` reads (dlspass.graph.roles).
 
     Placeholder roles move from their markers onto the placeholders; the outputs AOT returns
     for mutated inputs (``copy(placeholder, new)``) get the update role of their placeholder,
@@ -392,9 +398,8 @@ def write_updates_in_place(gm: fx.GraphModule) -> int:
 
 
 def _make_fw_compiler(step: CompiledStep):
+    from dlspass.capture import dynamo_backend
     from dlspass.passes import apply_dls
-
-    from . import dynamo_backend
 
     def fw_compiler(gm: fx.GraphModule, example_inputs: list[Any]):
         tag_aot_graph(gm)
@@ -402,13 +407,13 @@ def _make_fw_compiler(step: CompiledStep):
         for graph_pass in step.graph_passes:
             graph_pass(gm)
         if step.process_group is not None:
-            from .distributed import insert_grad_allreduce
+            from dlspass.distributed import insert_grad_allreduce
 
             # before apply_dls: DLS unscales and checks the averaged gradients
             insert_grad_allreduce(gm, step.process_group)
         gm = apply_dls(gm, step.config)
         if step.process_group is not None and step.config.dynamic:
-            from .distributed import insert_flag_allreduce
+            from dlspass.distributed import insert_flag_allreduce
 
             insert_flag_allreduce(gm, step.process_group)
         extra = [roles.target_of(n) for n in gm.graph.find_nodes(op="placeholder")[n_inputs:]]
@@ -446,7 +451,7 @@ class CompiledStep:
     Hooks on the AOT graph (both read when the step is first called, which compiles it):
 
     - ``graph_passes``: callables ``pass(gm)`` that rewrite the role-tagged AOT step graph in
-      place, after ``tag_aot_graph`` and before ``apply_dls`` (``dlspass.faults`` uses one);
+      place, after ``tag_aot_graph`` and before ``apply_dls`` (``dlspass.debug.faults`` uses one);
     - ``extra_inputs``: ``{target: provider}``. A pass may append placeholders (role
       ``input``, ``dlspass_target`` = target); the graph then gets ``provider()`` (a tensor on
       the parameters' device) for each of them at every call, so their values change without
@@ -570,7 +575,7 @@ def _resolve_process_group(process_group: Any) -> Any:
     return process_group
 
 
-def compile(  # noqa: A001 - the public verb is dlspass.compile
+def compile(
     fn: Callable,
     *,
     optimizer: torch.optim.Optimizer,
@@ -596,7 +601,7 @@ def compile(  # noqa: A001 - the public verb is dlspass.compile
     ``backend_compiler="eager"`` runs the rewritten graph without inductor (fast, for tests).
 
     ``graph_passes``: rewrites of the role-tagged AOT step graph run before ``apply_dls``
-    (see `CompiledStep`; ``dlspass.faults.install_faults`` adds one).
+    (see `CompiledStep`; ``dlspass.debug.faults.install_faults`` adds one).
 
     Data parallelism: with ``process_group`` (a ``torch.distributed`` group, or ``True`` for
     the world) every rank runs the step on its own batch shard and the one compiled graph also

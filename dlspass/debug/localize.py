@@ -4,7 +4,7 @@ Nothing here runs on the training path: a step that overflowed is only counted o
 (no host sync). On request, `localize_overflow` re-runs the step for one batch, looking at every
 value, and returns an `OverflowReport`:
 
-- captured steps (`dlspass.CapturedStep`, or the `FaultSchedule` of `dlspass.faults`): the step
+- captured steps (`dlspass.CapturedStep`, or the `FaultSchedule` of `dlspass.debug.faults`): the step
   graph runs node by node under an FX ``Interpreter``. The *origin* is the first node (in
   execution order) whose output holds inf/NaN although none of its tensor inputs do and no
   non-finite constant is among its arguments (so the ``-inf`` of an attention mask is not an
@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from . import roles
+from dlspass.graph import roles
 
 
 @dataclass
@@ -262,7 +262,7 @@ def localize_overflow(step_or_model: Any, batch: Any,
                       scaler: Any = None, step_index: int | None = None) -> OverflowReport:
     """Re-run one step on ``batch`` and report where its first non-finite value came from.
 
-    ``step_or_model``: a `dlspass.CapturedStep`, a `dlspass.faults.FaultSchedule` (the faulted
+    ``step_or_model``: a `dlspass.CapturedStep`, a `dlspass.debug.faults.FaultSchedule` (the faulted
     graph, at ``step_index`` or at the step's current call count) or an ``nn.Module`` (eager:
     give ``loss_fn`` and, to reproduce a scaled backward, the ``scaler``).
 
@@ -270,7 +270,7 @@ def localize_overflow(step_or_model: Any, batch: Any,
         >>> if not bool(scaler.step(opt)):                                 # doctest: +SKIP
         ...     print(localize_overflow(model, batch, loss_fn, scaler=scaler))
     """
-    from .faults import FaultSchedule
+    from dlspass.debug.faults import FaultSchedule
 
     if isinstance(step_or_model, FaultSchedule):
         step = step_or_model.step

@@ -14,8 +14,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .bounded_text import excerpt
-from .errors import DLSInputError
+from dlspass.errors import DLSInputError
+from dlspass.files.bounded_text import excerpt
 
 
 class MetadataError(DLSInputError, ValueError):
@@ -86,7 +86,7 @@ def _check_keys(meta: Any, keys: dict[str, tuple[Callable[[Any], bool], str]], w
             raise MetadataError(f"{where}: {key!r} must be {want}, got {excerpt(meta[key])}")
     cfg = meta.get("config")
     if cfg is not None:
-        from .config import DLSConfig
+        from dlspass.config import DLSConfig
 
         try:
             DLSConfig(**cfg)  # what the passes' recorded_config does with it

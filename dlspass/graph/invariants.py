@@ -23,9 +23,9 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from . import roles
-from .config import DLSConfig
-from .errors import DLSPassError
+from dlspass.config import DLSConfig
+from dlspass.errors import DLSPassError
+from dlspass.graph import roles
 
 CONFIG_KEY = "dlspass_config"
 GUARDED = {roles.PARAM_UPDATE: roles.PARAM, roles.OPT_STATE_UPDATE: roles.OPT_STATE}

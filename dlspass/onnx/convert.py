@@ -39,14 +39,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import roles
-from .export_io import META_FILE, InputError, quiet_torch, write_atomic
-from .file_meta import check_onnx_meta
+from dlspass.capture.exported import META_FILE, InputError, quiet_torch, write_atomic
+from dlspass.files.file_meta import check_onnx_meta
+from dlspass.graph import roles
 
 
 def _bool_where_to_logic(gm: fx.GraphModule) -> int:
     """``where(c, a, b)`` on bool tensors -> ``(c & a) | (~c & b)``: ORT's CPU Where has no bool kernel."""
-    from .splice import set_fake_val
+    from dlspass.graph.splice import set_fake_val
 
     aten = torch.ops.aten
     count = 0
@@ -89,7 +89,7 @@ def _relabelled(step: torch.export.ExportedProgram) -> torch.export.ExportedProg
     from torch.utils._pytree import tree_flatten
 
     gm = copy.deepcopy(step.graph_module)
-    from .formats import decompose_rounding
+    from dlspass.formats import decompose_rounding
 
     constants = sum(n.op == "get_attr" for n in gm.graph.nodes)
     decompose_rounding(gm, form="arith")
@@ -168,7 +168,7 @@ def load_onnx(path: str | Path) -> Any:
     """An ``onnx_ir.Model`` from ``path``; ``InputError`` when it is not a readable ONNX model."""
     import onnx_ir as ir
 
-    from .export_io import check_input_file
+    from dlspass.capture.exported import check_input_file
 
     p = check_input_file(path, (".onnx",))
     try:
@@ -198,7 +198,7 @@ def _check_external_data(p: Path) -> None:
     import onnx
     from onnx import TensorProto
 
-    from .bounded_text import excerpt
+    from dlspass.files.bounded_text import excerpt
 
     try:
         proto = onnx.load(str(p), load_external_data=False)
@@ -310,11 +310,11 @@ def joint_to_onnx(joint: torch.export.ExportedProgram) -> Any:
     )
     from torch.utils._pytree import tree_flatten
 
-    from .export_io import _joint
+    from dlspass.capture.exported import _joint
 
     j = _joint(joint, "joint program")
     gm = j.gm
-    from .marks import MARK_OP
+    from dlspass.graph.marks import MARK_OP
 
     mark = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is MARK_OP)
     seed = mark.args[0]
@@ -383,7 +383,7 @@ class _DLSTail(torch.nn.Module):
         self.config = config
 
     def forward(self, grads: list[torch.Tensor], state: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        from .scale_policy import ScalerState, dls_tail, update_state
+        from dlspass.scale_policy import ScalerState, dls_tail, update_state
 
         st = ScalerState(*state)
         out, isfinite, _norm = dls_tail(grads, st.loss_scale, self.config)
@@ -614,7 +614,7 @@ class _RoundTemplate:
     @classmethod
     def _arith(cls, opset: int) -> Any:
         if opset not in cls._ARITH:
-            from .formats import round_arith
+            from dlspass.formats import round_arith
 
             class Round(torch.nn.Module):
                 def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -689,7 +689,7 @@ def insert_dls_onnx(proto: Any, config: Any, source: str = "model") -> Any:
     """
     from onnx import compose, helper
 
-    from .scale_policy import STATE_FIELDS, init_state
+    from dlspass.scale_policy import STATE_FIELDS, init_state
 
     if not config.enabled:
         raise InputError(f"{source}: loss scaling is off for this config; nothing to insert")

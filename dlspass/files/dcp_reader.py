@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from .bounded_text import excerpt
-from .errors import DLSInputError
+from dlspass.errors import DLSInputError
+from dlspass.files.bounded_text import excerpt
 
 MAX_METADATA_BYTES = 16 * 2**20
 MAX_ITEM_BYTES = 64 * 2**20
@@ -112,7 +112,7 @@ def _check_storage(folder: Path, index: Any, info: Any) -> None:
     with open(folder / name, "rb") as f:
         f.seek(offset)
         blob = io.BytesIO(f.read(length))
-    from .pt2_archive import UnsafeArchiveError, check_zip_bounds
+    from dlspass.files.pt2_archive import UnsafeArchiveError, check_zip_bounds
 
     try:
         if not zipfile.is_zipfile(blob):

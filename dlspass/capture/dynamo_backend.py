@@ -28,8 +28,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from . import roles
-from .config import FP16_TYPES, ConfigError, DLSConfig
+from dlspass.config import FP16_TYPES, ConfigError, DLSConfig
+from dlspass.graph import roles
 
 # the most recent graphs the backends rewrote (for inspection and tests), newest last
 recent_graphs: list[fx.GraphModule] = []
@@ -87,7 +87,7 @@ def finish(gm: fx.GraphModule, example_inputs: list[Any], backend_compiler: str)
         return make_boxed_func(gm.forward)
     from torch._inductor.compile_fx import compile_fx
 
-    from .formats import decompose_rounding
+    from dlspass.formats import decompose_rounding
 
     decompose_rounding(gm)
     compiled = compile_fx(gm, example_inputs)
@@ -113,7 +113,7 @@ def decompose_for_inductor(gm: fx.GraphModule) -> int:
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from .formats import decompose_rounding
+    from dlspass.formats import decompose_rounding
 
     table = select_decomp_table()
     count = decompose_rounding(gm, decompositions=table)

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from . import roles
+from dlspass.graph import roles
 
 
 @torch.library.custom_op("dlspass::mark", mutates_args=())
@@ -25,7 +25,7 @@ def _(x: Tensor, role: str, target: str) -> Tensor:
     return torch.empty_like(x)
 
 
-def _mark_backward(ctx, grad: Tensor):  # noqa: ANN001 - autograd signature
+def _mark_backward(ctx, grad: Tensor):
     return grad, None, None
 
 

@@ -37,8 +37,8 @@ import zipfile
 from pathlib import Path
 from typing import IO, Any
 
-from .bounded_text import excerpt
-from .errors import DLSInputError
+from dlspass.errors import DLSInputError
+from dlspass.files.bounded_text import excerpt
 
 MAX_JSON_BYTES = 128 * 2**20
 """Largest inflated JSON member (``models/model.json``, payload configs, extra files)."""
@@ -327,7 +327,7 @@ class _Archive:
         count): refused here, before torch spends time deserialising the program."""
         if _DLSPASS_META not in self.members:
             return
-        from .file_meta import check_pt2_meta
+        from dlspass.files.file_meta import check_pt2_meta
 
         check_pt2_meta(self.read_json(_DLSPASS_META), str(self.p))
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import networkx as nx
 
-from . import roles
-from .bounded_text import printable
+from dlspass.files.bounded_text import printable
+from dlspass.graph import roles
 
 FORMATS = ("text", "json", "svg", "html")
 SCHEMA_ID = "dlspass-inspect/1"
@@ -97,14 +97,14 @@ def _op_name(node: Any) -> str:
 def _converts(node: Any) -> bool:
     import torch
 
-    from .formats import rounded_format
+    from dlspass.formats import rounded_format
 
     return rounded_format(node) is not None or node.target in (
         torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
 def _cast_key(node: Any) -> str:
-    from .formats import rounded_format
+    from dlspass.formats import rounded_format
 
     fmt = rounded_format(node)
     if fmt is not None:
@@ -167,7 +167,7 @@ def _reach(starts: list[str], nxt: dict[str, list[str]]) -> set[str]:
 
 
 def _summarize_pt2(path: Path) -> dict[str, Any]:
-    from .export_io import load_program, step_graph
+    from dlspass.capture.exported import load_program, step_graph
 
     ep, meta = load_program(path)
     kind = (meta or {}).get("kind") or ("joint" if getattr(ep.graph_signature, "backward_signature", None)
@@ -177,7 +177,7 @@ def _summarize_pt2(path: Path) -> dict[str, Any]:
 
 
 def _summarize_onnx(path: Path) -> dict[str, Any]:
-    from .onnx_io import load_onnx, onnx_meta
+    from dlspass.onnx.convert import load_onnx, onnx_meta
 
     model = load_onnx(path)
     meta = onnx_meta(model) or {}
@@ -215,7 +215,7 @@ def _summarize_onnx(path: Path) -> dict[str, Any]:
 
 def summarize_file(path: str | Path) -> dict[str, Any]:
     """The inspect report of a ``.pt2`` or ``.onnx`` file (see ``REPORT_SCHEMA``)."""
-    from .export_io import check_input_file
+    from dlspass.capture.exported import check_input_file
 
     p = check_input_file(path)
     return _report(_summarize_pt2(p) if p.suffix == ".pt2" else _summarize_onnx(p), str(p))
@@ -223,7 +223,7 @@ def summarize_file(path: str | Path) -> dict[str, Any]:
 
 def summarize_graph(gm: Any, *, name: str = "graph") -> dict[str, Any]:
     """The inspect report of an in-memory rewritten FX GraphModule (``file`` is ``name``)."""
-    from .passes import recorded_config
+    from dlspass.passes import recorded_config
 
     cfg = recorded_config(gm)
     meta = {"config": cfg.to_dict() if cfg is not None else None}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase
 
-from dlspass import roles
 from dlspass.config import DLSConfig
 from dlspass.errors import DLSInternalError
+from dlspass.graph import roles
 
 APPLIED_KEY = "dlspass_applied"
 GLOBAL = "global"  # target of the one overflow flag and the one gradient norm of a step

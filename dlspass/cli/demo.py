@@ -16,7 +16,7 @@ forward and backward, on every matmul's inputs and outputs), the same lowering `
 applies for any 16-bit format.
 
 Each float16 step (forward, backward, DLS, Adam) is one graph compiled by inductor to fused C++
-kernels; the report counts the kernels each step launches (``dlspass.kernel_count``), so the
+kernels; the report counts the kernels each step launches (``dlspass.debug.kernel_count``), so the
 difference is what DLS costs. ``backend_compiler="eager"`` runs the same graphs on eager kernels
 (for machines without a C++ compiler; `cpp_compiler_available` tells).
 
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .models import TinyGPT, copy_task_batch, gpt_loss
+from dlspass.models import TinyGPT, copy_task_batch, gpt_loss
 
 __all__ = ["cpp_compiler_available", "default_spikes", "emulate_format", "format_summary", "run_demo"]
 
@@ -65,7 +65,7 @@ def emulate_format(model: nn.Module, fmt: str = "cbfloat16"):
     `dlspass.formats.round_to_format`, whose gradient is straight-through, so the tensor hooks
     registered on the rounded tensors are what puts the backward's gradients into ``fmt``.
     """
-    from .formats import get_format, round_to_format
+    from dlspass.formats import get_format, round_to_format
 
     name = get_format(fmt).name
 
@@ -111,7 +111,7 @@ def default_spikes(steps: int) -> tuple[int, ...]:
     return (max(1, steps // 4),) if steps >= 4 else ()
 
 
-def _progress(steps: int, quiet: bool, label: str):  # noqa: ANN202 - a tqdm bar
+def _progress(steps: int, quiet: bool, label: str):
     from tqdm import tqdm
 
     # tqdm writes plain carriage-return updates when stderr is not a terminal (CI), and
@@ -193,8 +193,8 @@ def _train(steps: int, seed: int, out_dir: str | Path | None, quiet: bool,
            spikes: frozenset[int], compare: bool, backend_compiler: str) -> dict[str, Any]:
     import torch._dynamo.utils as dynamo_utils
 
-    from .compile_step import compile as dls_compile
-    from .scaler import GradScaler
+    from dlspass.capture.compiled_step import compile as dls_compile
+    from dlspass.scaler import GradScaler
 
     t0 = time.perf_counter()
     held_out = copy_task_batch(_VOCAB, _BATCH, _SEQ, torch.Generator().manual_seed(seed + 10_000))
@@ -258,7 +258,7 @@ def _train(steps: int, seed: int, out_dir: str | Path | None, quiet: bool,
     result["compile_seconds"] = round(compile_seconds, 3)
     result["seconds"] = round(time.perf_counter() - t0, 3)
     if out_dir is not None:
-        from .inspect_report import render, summarize_graph
+        from dlspass.debug.inspect_report import render, summarize_graph
 
         report = summarize_graph(step.graphs[0], name="dlspass demo: compiled TinyGPT step (float16, DLS)")
         _write(Path(out_dir) / "report.html", render(report, "html"))
@@ -281,7 +281,7 @@ def _first_call(step: Callable, backend_compiler: str, *args: Tensor) -> tuple[T
 
 
 def _kernels(codes: dict[str, list[str]]) -> dict[str, Any]:
-    from .kernel_count import count_kernels
+    from dlspass.debug.kernel_count import count_kernels
 
     counts = {label: count_kernels(c) for label, c in codes.items()}
     out: dict[str, Any] = {"dls": vars(counts[_DLS]) if _DLS in counts else None,

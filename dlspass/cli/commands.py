@@ -17,8 +17,8 @@ from typing import Annotated, Any
 
 import typer
 
-from .bounded_text import excerpt, one_line
-from .errors import DLSInputError
+from dlspass.errors import DLSInputError
+from dlspass.files.bounded_text import excerpt, one_line
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 # Exceptions that mean "the input is wrong": one line on stderr and exit 2. OSError covers
@@ -92,8 +92,8 @@ def demo(
     """Show what dynamic loss scaling is for: TinyGPT in float16 with and without DLS, against float32.
 
     The loss is weighted by 2^-20, so float16 gradients fall below float16's smallest subnormal. The same model learns a copy task in float32 (eager torch), in float16 without loss scaling (it stalls: its gradients underflow to zero) and in float16 with DLS (it tracks float32). Each float16 step (forward, backward, DLS, Adam) is one graph made by dlspass.compile and compiled by inductor to fused C++ kernels; the report counts them, with and without DLS. A loss spike overflows float16: DLS skips that step and the scale grows back. Writes report.html (an inspect report of the DLS graph) and demo_metrics.json to --out-dir.
-    """  # noqa: E501 - typer keeps a docstring's line breaks in --help
-    from .demo import cpp_compiler_available, default_spikes, format_summary, run_demo
+    """
+    from dlspass.cli.demo import cpp_compiler_available, default_spikes, format_summary, run_demo
 
     if not eager_kernels and not cpp_compiler_available():
         typer.echo("dlspass demo: no C++ compiler found (inductor looks for $CXX, else g++); "
@@ -156,7 +156,7 @@ def _quietly(fn: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if os.environ.get("DLSPASS_DEBUG"):
             return fn(*args, **kwargs)
-        from .export_io import quiet_torch
+        from dlspass.capture.exported import quiet_torch
 
         with quiet_torch():
             return fn(*args, **kwargs)
@@ -178,13 +178,13 @@ def export(
     Tied parameters (one tensor under two names, e.g. an embedding shared with the output layer) become one parameter under its first name, trained with the sum of both gradients as torch.optim does. A model torch cannot export (torch.export.export or the trace of its backward fails) exits 2 with one line naming torch's error; exit 3 is kept for failures inside dlspass.
 
     Example: dlspass export tests.cli_factories:mlp -o mlp.pt2
-    """  # noqa: E501 - typer keeps a docstring's line breaks in --help
-    from .export_io import check_output_path, export_factory, save_program
+    """
+    from dlspass.capture.exported import check_output_path, export_factory, save_program
 
     out = check_output_path(output, (".pt2", ".onnx"))
     ep = export_factory(factory)
     if out.suffix == ".onnx":
-        from .onnx_io import save_joint_onnx
+        from dlspass.onnx.convert import save_joint_onnx
 
         save_joint_onnx(ep, out)
     else:
@@ -231,11 +231,10 @@ def transform(
     Appends the optimizer update, adds optimizer, lr and scaler state as buffers, rewrites the step with the dlspass passes and writes a .pt2 (load(...).module()(*inputs) under torch.no_grad() trains one step in place) or, with --to onnx, an ONNX model whose state is fed back by the caller.
 
     Example: dlspass transform mlp.pt2 -o step.pt2 --optimizer adam --lr 1e-3
-    """  # noqa: E501 - typer keeps a docstring's line breaks in --help
+    """
     import dataclasses
 
-    from .config import DLSConfig
-    from .export_io import (
+    from dlspass.capture.exported import (
         OptimizerSpec,
         check_input_file,
         check_output_path,
@@ -243,6 +242,7 @@ def transform(
         save_program,
         transform_program,
     )
+    from dlspass.config import DLSConfig
 
     if fp16_type is not None and fp16_type not in _FP16:
         raise typer.BadParameter(f"expected one of {', '.join(_FP16)}, got {excerpt(fp16_type)}",
@@ -282,7 +282,7 @@ def transform(
                         mixed_precision=True if mixed_precision is None else mixed_precision,
                         max_gradient_norm=max_gradient_norm)
     if src.suffix == ".onnx":
-        from .onnx_io import transform_onnx
+        from dlspass.onnx.convert import transform_onnx
 
         if fmt != "onnx":
             raise typer.BadParameter("an .onnx input can only be written as .onnx", param_hint="--to")
@@ -294,7 +294,7 @@ def transform(
     step, step_meta = transform_program(ep, meta, cfg, opt, precision_mode=precision_mode,
                                         source=str(src), rounding="op" if fmt == "onnx" else rounding)
     if fmt == "onnx":
-        from .onnx_io import save_step_onnx
+        from dlspass.onnx.convert import save_step_onnx
 
         save_step_onnx(step, step_meta, out)
     else:
@@ -314,8 +314,8 @@ def inspect(
 
     Example: dlspass inspect step.pt2 --diff joint.pt2 --format html -o report.html
     """
-    from .export_io import check_output_path, write_atomic
-    from .inspect_report import FORMATS, render, summarize_file
+    from dlspass.capture.exported import check_output_path, write_atomic
+    from dlspass.debug.inspect_report import FORMATS, render, summarize_file
 
     if fmt not in FORMATS:
         raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}, got {excerpt(fmt)}",
@@ -340,8 +340,8 @@ def verify(
 
     Example: dlspass verify step.pt2
     """
-    from .export_io import InputError, load_program, step_graph
-    from .invariants import verify as run_verify
+    from dlspass.capture.exported import InputError, load_program, step_graph
+    from dlspass.graph.invariants import verify as run_verify
 
     ep, meta = load_program(file)
     if meta is None or meta.get("kind") != "step":
@@ -352,8 +352,8 @@ def verify(
 
 
 def _is_verification_error(exc: BaseException) -> bool:
-    # Look the class up only if dlspass.invariants was imported: main() must stay light.
-    verify = sys.modules.get("dlspass.invariants")
+    # Look the class up only if dlspass.graph.invariants was imported: main() must stay light.
+    verify = sys.modules.get("dlspass.graph.invariants")
     cls = getattr(verify, "VerificationError", None)
     return isinstance(cls, type) and isinstance(exc, cls)
 

@@ -43,8 +43,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from . import roles
-from .errors import DLSInputError
+from dlspass.errors import DLSInputError
+from dlspass.graph import roles
 
 FAULT = "fault"  # role of the nodes inject_faults inserts
 FAULT_STEP = "fault_step"  # target of the step-counter placeholder
@@ -331,12 +331,12 @@ def install_faults(step: Any, faults: Iterable[Fault], *, compile: bool = False,
     ``model`` lets gradient faults name the model's parameters, ``schedule.remove()`` disables
     the faults.
     """
-    from .compile_step import CompiledStep
+    from dlspass.capture.compiled_step import CompiledStep
 
     faults = list(faults)
     if isinstance(step, CompiledStep):
         return _install_compiled(step, faults, model)
-    from .capture.functional import _inductor
+    from dlspass.capture.functional import _inductor
 
     gm = inject_faults(copy.deepcopy(step.graph_module), faults)
     runner: Any = gm

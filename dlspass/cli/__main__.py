@@ -1,0 +1,3 @@
+from dlspass.cli.commands import main
+
+raise SystemExit(main())

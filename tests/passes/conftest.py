@@ -1,8 +1,0 @@
-"""Pass tests: the hand-written step graphs live in ``stepgraph.py`` (importable by name)."""
-
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
