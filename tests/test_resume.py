@@ -12,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -67,7 +66,6 @@ def assert_same(a: dict[str, object], b: dict[str, object]) -> None:
 
 def test_sigkill_at_random_step_then_resume_is_bit_identical(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    t0 = time.monotonic()
     ref = tmp_path / "ref.pt"
     subprocess.run(worker_cmd(tmp_path / "ref_ck", ref), check=True, env=env, timeout=120,
                    capture_output=True)
@@ -92,7 +90,6 @@ def test_sigkill_at_random_step_then_resume_is_bit_identical(tmp_path: Path) -> 
     first = resumed.stdout.splitlines()[0]
     assert first == f"resumed from step {read_checkpoint(last)['step']}", first
     assert_same(flat_state(ref), flat_state(out))
-    assert time.monotonic() - t0 < 60
 
 
 # ---- in-process: the file format and atomicity ---------------------------------------------------
