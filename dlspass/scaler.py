@@ -11,7 +11,7 @@ it is unscaled and steps (its parameters and state change) only when they are fi
 torch.amp semantics. ``update()`` combines the flags of every optimizer of the iteration: one
 overflow anywhere backs the scale off once and counts one skipped iteration. Nothing non-finite
 reaches any parameter either way. (In the cerebras policy the global-norm test then runs per
-optimizer; with one optimizer it is the global norm of SPEC.md §1.)
+optimizer; with one optimizer it is the global norm of docs/SEMANTICS.md §1.5.)
 
 Skipping without a host sync:
 
@@ -75,7 +75,7 @@ from dlspass.scale_policy import (
 )
 
 FORMAT_VERSION = 1
-# SPEC.md §1: the keys a dynamic checkpoint must carry (the others have safe defaults).
+# docs/SEMANTICS.md §1.7: the keys a dynamic checkpoint must carry (the others have safe defaults).
 REQUIRED_DYNAMIC_KEYS = ("loss_scale", "steps_since_rescale", "overflows_since_rescale",
                          "num_skipped_steps")
 TORCH_AMP_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
