@@ -31,7 +31,7 @@ def test_state_outputs_equal_update_state_eager(policy: str, finite: bool) -> No
 
 
 def test_spec_worked_trace() -> None:
-    # docs/SEMANTICS.md §1.4: init=1024, steps_per_increase=3, tolerance=0, overflow at steps 5, 10, 11
+    # docs/SEMANTICS.md §1.4: init=1024, steps_per_increase=3, tolerance=0, overflows 5, 10, 11
     cfg = DLSConfig(initial_loss_scale=1024.0, steps_per_increase=3, mixed_precision=False)
     step = mlp_step(cfg)
     gm = apply_dls(step.gm, cfg)
