@@ -279,7 +279,7 @@ class DLSConfig:
         return self.defaults.overflow_check
 
     def to_dict(self) -> dict[str, Any]:
-        """The user-given fields, JSON-serialisable (used for export metadata)."""
+        """The user-given fields, JSON-serializable (used for export metadata)."""
         out = {}
         for name in self.__dataclass_fields__:
             if name == "extras":

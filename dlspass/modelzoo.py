@@ -178,7 +178,7 @@ def modelzoo_rules(release: str | tuple[int, int] | None = None, model: str | No
     return ModelZooRules(parsed, model)
 
 
-# ---- value checkers: (value, where) -> normalised value, raising ConfigError ---------------------
+# ---- value checkers: (value, where) -> normalized value, raising ConfigError ---------------------
 def _key(key: Any) -> str:
     """A mapping key as it appears in a key path: short strings as they are, others as an excerpt."""
     return key if isinstance(key, str) and len(key) <= 60 and key.isprintable() else excerpt(key)

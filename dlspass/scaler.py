@@ -27,9 +27,9 @@ The one host read: when ``opt.step()`` just created state that did not exist bef
 optimizer's first step: Adam's moments, SGD's momentum buffer) or changed a non-tensor state
 value, the flag is read once so that, on overflow, that state can be removed again - a skipped
 first step then leaves the optimizer exactly as a fresh one (torch's own fused SGD leaves an
-uninitialised momentum buffer there). After the first successful step this never happens again.
+uninitialized momentum buffer there). After the first successful step this never happens again.
 
-Distributed training (``dlspass.distributed``): once ``torch.distributed`` is initialised the
+Distributed training (``dlspass.distributed``): once ``torch.distributed`` is initialized the
 scaler agrees over the default process group (``process_group=`` overrides) with one on-device
 ``all_reduce`` per optimizer and iteration, which gives both the global gradient norm (FSDP2
 shards summed, DDP replicas counted once) and an overflow flag every rank shares; DTensor
@@ -223,7 +223,7 @@ class GradScaler:
         config: a ready `DLSConfig` instead of the keywords (not both).
         device: where the state lives; ``None`` moves it lazily to the first scaled loss.
         process_group: the group ranks agree over (``None``: the default group when
-            ``torch.distributed`` is initialised; nothing is communicated with one rank).
+            ``torch.distributed`` is initialized; nothing is communicated with one rank).
 
     ``found_inf`` is a property: the last finished iteration's overflow flag (0-d bool tensor).
     """
@@ -851,7 +851,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
                 raise AssertionError("The backoff factor must be < 1.0.")
         checked_scale("init_scale", init_scale, ConfigError)
         self._amp_device = device
-        self._amp_initialised = False  # torch sets its scale up in the first scale()
+        self._amp_initialized = False  # torch sets its scale up in the first scale()
         self._unscale_guard_warned = False
         cfg = DLSConfig(
             loss_scale="dynamic" if enabled else None, initial_loss_scale=init_scale,
@@ -863,21 +863,21 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
 
     # ---- torch.amp's lazy set-up and the private protocol fused optimizers use -------------
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
-        if not self._amp_initialised:
+        if not self._amp_initialized:
             device = torch.device(dev)
             if self._lazy_device and self.state.loss_scale.device != device:
                 self._move_state(device)
-            self._amp_initialised = True
+            self._amp_initialized = True
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
-        if not self._amp_initialised:
+        if not self._amp_initialized:
             raise AssertionError(
                 f"Attempted {funcname} but _scale is None.  This may indicate your script did "
                 f"not use scaler.scale(loss or outputs) earlier in the iteration.")
         return self.state.loss_scale, self.state.steps_since_rescale
 
     def _get_scale_async(self) -> Tensor | None:
-        return self.state.loss_scale if self._amp_initialised else None
+        return self.state.loss_scale if self._amp_initialized else None
 
     def _get_growth_tracker(self) -> int:
         return int(self.state.steps_since_rescale) if self.is_enabled() else 0
@@ -1122,7 +1122,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
             if self._per_opt:
                 raise AssertionError("A GradScaler instance may only be pickled at the beginning "
                                      "of an iteration, or at the end after scaler.update().")
-            state["_amp_initialised"] = False  # as torch: set up again by the next scale()
+            state["_amp_initialized"] = False  # as torch: set up again by the next scale()
         state["_buffers"] = {}
         return state
 
