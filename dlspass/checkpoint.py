@@ -7,10 +7,11 @@ checkpoint or the new one, never a torn file; SIGTERM removes the temporary file
 SIGKILL the stray ``.tmp`` file is one that `latest_checkpoint` ignores.
 
 Everything stored is tensors and plain Python values, so the file loads with
-``torch.load(weights_only=True)`` (SPEC.md §5.7: scaler state lost or unloadable on resume).
-The scaler is stored under the top-level key ``grad_scaler`` as in Cerebras checkpoints; a
-checkpoint without it restarts DLS from the configuration (SPEC.md §1). The RNG states (torch
-CPU and Python's ``random``) are stored so that a resumed run draws the same numbers.
+``torch.load(weights_only=True)``: scaler state that cannot be loaded on resume is a known
+failure of other tools (docs/SEMANTICS.md §1.7). The scaler is stored under the top-level key
+``grad_scaler`` as in Cerebras checkpoints; a checkpoint without it restarts DLS from the
+configuration (docs/SEMANTICS.md §1.7). The RNG states (torch CPU and Python's ``random``) are
+stored so that a resumed run draws the same numbers.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 `DLSConfig` keeps what the user wrote (``None`` means "the preset's default") and resolves the
 effective numbers through properties, so that ``dataclasses.replace`` on a config never turns a
-defaulted value into an explicit one. Defaults follow SPEC.md §1 (cstorch) and §4 (the other
-tools' policies).
+defaulted value into an explicit one. Defaults follow the presets table of
+docs/SEMANTICS.md §2 (cstorch's and the other tools' defaults, with their sources).
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ class PresetDefaults:
 
 
 def preset_defaults(policy: str, fp16_type: str) -> PresetDefaults:
-    """Defaults of ``policy`` for ``fp16_type`` (SPEC.md §1 and §4, ANCHORS.md §2)."""
+    """Defaults of ``policy`` for ``fp16_type`` (docs/SEMANTICS.md §2)."""
     if policy == "cerebras":
         init = 2.0**31 if fp16_type == "cbfloat16" else 2.0**15
         return PresetDefaults(init, init, 2.0**-14, 2000, overflow_check="global_norm")
     if policy == "torch":
-        # torch has no floor or cap: the floor keeps 1/scale finite (SPEC.md §4), the cap is
-        # fp32's largest value, which torch's "grow only if finite" rule never exceeds.
+        # torch has no floor or cap: the floor keeps 1/scale finite (docs/SEMANTICS.md §3.1),
+        # the cap is fp32's largest value, which torch's "grow only if finite" rule never exceeds.
         return PresetDefaults(2.0**16, FLOAT32_MAX, 2.0**-14, 2000)
     if policy == "deepspeed":
         return PresetDefaults(2.0**16, FLOAT32_MAX, 1.0, 1000, hysteresis=2)
@@ -139,7 +139,7 @@ class DLSConfig:
 
     ``loss_scale``: ``"dynamic"`` turns DLS on; a number is a static scale (no overflow check,
     no skipped steps); ``None`` or ``1.0`` means no scaling. Every other numeric key left at
-    ``None`` takes the default of ``policy`` for ``fp16_type`` (SPEC.md §1).
+    ``None`` takes the default of ``policy`` for ``fp16_type`` (docs/SEMANTICS.md §2).
 
     Example:
         >>> cfg = DLSConfig(fp16_type="cbfloat16")
@@ -279,7 +279,7 @@ class DLSConfig:
         return self.defaults.overflow_check
 
     def to_dict(self) -> dict[str, Any]:
-        """The user-given fields, JSON-serialisable (used for export metadata)."""
+        """The user-given fields, JSON-serializable (used for export metadata)."""
         out = {}
         for name in self.__dataclass_fields__:
             if name == "extras":

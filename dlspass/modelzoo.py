@@ -178,7 +178,7 @@ def modelzoo_rules(release: str | tuple[int, int] | None = None, model: str | No
     return ModelZooRules(parsed, model)
 
 
-# ---- value checkers: (value, where) -> normalised value, raising ConfigError ---------------------
+# ---- value checkers: (value, where) -> normalized value, raising ConfigError ---------------------
 def _key(key: Any) -> str:
     """A mapping key as it appears in a key path: short strings as they are, others as an excerpt."""
     return key if isinstance(key, str) and len(key) <= 60 and key.isprintable() else excerpt(key)
@@ -209,15 +209,20 @@ def _finite(value: Any) -> float | None:
     return v if v == v and abs(v) != float("inf") else None
 
 
-def _positive(value: Any, where: str) -> float | None:
-    if value is None:
-        return None
+def _positive_number(value: Any, where: str, either: str = "") -> float:
+    """A finite number > 0; ``either`` names the alternative a key also takes (``"dynamic"``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _fail(where, "a positive number or null", value)
+        raise _fail(where, f"{either}, a number or null" if either else "a positive number or null",
+                    value)
     v = _finite(value)
     if v is None or v <= 0:
-        raise _fail(where, "a finite number > 0", value)
+        raise _fail(where, f"{either} or a finite number > 0" if either else "a finite number > 0",
+                    value)
     return v
+
+
+def _positive(value: Any, where: str) -> float | None:
+    return None if value is None else _positive_number(value, where)
 
 
 def _positive_int(value: Any, where: str) -> int | None:
@@ -231,12 +236,7 @@ def _positive_int(value: Any, where: str) -> int | None:
 def _loss_scale(value: Any, where: str) -> str | float | None:
     if value is None or value == "dynamic":
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _fail(where, '"dynamic", a number or null', value)
-    v = _finite(value)
-    if v is None or v <= 0:
-        raise _fail(where, '"dynamic" or a finite number > 0', value)
-    return v
+    return _positive_number(value, where, either='"dynamic"')
 
 
 def _fp16_type(value: Any, where: str) -> str:

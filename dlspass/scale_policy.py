@@ -2,7 +2,8 @@
 
 Every function here is written in torch ops with no Python branching on tensor values (only on
 the static `DLSConfig`), so the same code runs eagerly inside `dlspass.GradScaler` and traces
-with ``make_fx`` into a captured training step. All scale arithmetic is float32 (SPEC.md §1).
+with ``make_fx`` into a captured training step. All scale arithmetic is float32
+(docs/SEMANTICS.md §1.3).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def init_state(config: DLSConfig, device: torch.device | str | None = None) -> S
 
 def _f32(x: float) -> float:
     # Rounding a Python float to float32 first makes a comparison against a float32 tensor
-    # exact whatever precision the scalar is carried in (SPEC.md §1: 0.1 at 1/10).
+    # exact whatever precision the scalar is carried in (docs/SEMANTICS.md §1.3: 0.1 at 1/10).
     return float(np.float32(x))
 
 

@@ -11,7 +11,7 @@ it is unscaled and steps (its parameters and state change) only when they are fi
 torch.amp semantics. ``update()`` combines the flags of every optimizer of the iteration: one
 overflow anywhere backs the scale off once and counts one skipped iteration. Nothing non-finite
 reaches any parameter either way. (In the cerebras policy the global-norm test then runs per
-optimizer; with one optimizer it is the global norm of SPEC.md §1.)
+optimizer; with one optimizer it is the global norm of docs/SEMANTICS.md §1.5.)
 
 Skipping without a host sync:
 
@@ -27,9 +27,9 @@ The one host read: when ``opt.step()`` just created state that did not exist bef
 optimizer's first step: Adam's moments, SGD's momentum buffer) or changed a non-tensor state
 value, the flag is read once so that, on overflow, that state can be removed again - a skipped
 first step then leaves the optimizer exactly as a fresh one (torch's own fused SGD leaves an
-uninitialised momentum buffer there). After the first successful step this never happens again.
+uninitialized momentum buffer there). After the first successful step this never happens again.
 
-Distributed training (``dlspass.distributed``): once ``torch.distributed`` is initialised the
+Distributed training (``dlspass.distributed``): once ``torch.distributed`` is initialized the
 scaler agrees over the default process group (``process_group=`` overrides) with one on-device
 ``all_reduce`` per optimizer and iteration, which gives both the global gradient norm (FSDP2
 shards summed, DDP replicas counted once) and an overflow flag every rank shares; DTensor
@@ -75,7 +75,7 @@ from dlspass.scale_policy import (
 )
 
 FORMAT_VERSION = 1
-# SPEC.md §1: the keys a dynamic checkpoint must carry (the others have safe defaults).
+# docs/SEMANTICS.md §1.7: the keys a dynamic checkpoint must carry (the others have safe defaults).
 REQUIRED_DYNAMIC_KEYS = ("loss_scale", "steps_since_rescale", "overflows_since_rescale",
                          "num_skipped_steps")
 TORCH_AMP_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -223,7 +223,7 @@ class GradScaler:
         config: a ready `DLSConfig` instead of the keywords (not both).
         device: where the state lives; ``None`` moves it lazily to the first scaled loss.
         process_group: the group ranks agree over (``None``: the default group when
-            ``torch.distributed`` is initialised; nothing is communicated with one rank).
+            ``torch.distributed`` is initialized; nothing is communicated with one rank).
 
     ``found_inf`` is a property: the last finished iteration's overflow flag (0-d bool tensor).
     """
@@ -281,9 +281,11 @@ class GradScaler:
 
     def _setup(self, config: DLSConfig, device: torch.device | str | None,
                process_group: Any = None) -> None:
-        self.config = config
+        self.config = config  # what the user configured; `state_dict` writes this one
         self.process_group = process_group
-        self._cfg = config  # the active config: bfloat16 pass-through replaces it
+        # The config the math runs on: `config`, or a copy with fp16_type="bfloat16" once a
+        # bfloat16 loss turned scaling off at run time (see `scale`).
+        self._active_config = config
         # set by a dlspass.make_backend graph that unscaled and checked the gradients itself
         self.backend_found_finite: Tensor | None = None
         self._lazy_device = device is None
@@ -307,7 +309,7 @@ class GradScaler:
                           f"skipped steps)", UserWarning, stacklevel=3)
 
     def _needs_grad_work(self) -> bool:
-        c = self._cfg
+        c = self._active_config
         return c.enabled or c.max_gradient_norm is not None or c.max_gradient_value is not None
 
     def _move_state(self, device: torch.device) -> None:
@@ -317,17 +319,18 @@ class GradScaler:
 
     def _check_floor(self) -> None:
         """The lazy floor signal: one host read, never on the per-step path."""
-        if not self._cfg.dynamic or (self._floor_reported and self._cfg.on_scale_floor == "warn"):
+        cfg = self._active_config
+        if not cfg.dynamic or (self._floor_reported and cfg.on_scale_floor == "warn"):
             return
         n = int(self.state.floor_overflows)
         if n <= 0:
             return
         msg = (f"dlspass: gradients overflowed {n} time(s) with the loss scale already at its "
-               f"floor (min_loss_scale={self._cfg.min_scale!r}); the steps are being skipped. "
-               f"Likely cause: weights or activations beyond the {self._cfg.fp16_type} range "
+               f"floor (min_loss_scale={cfg.min_scale!r}); the steps are being skipped. "
+               f"Likely cause: weights or activations beyond the {cfg.fp16_type} range "
                f"(e.g. a bfloat16-pretrained model run in float16) or a diverging run; consider "
                f"bfloat16, a lower learning rate, or finding the first inf/NaN in the forward")
-        if self._cfg.on_scale_floor == "raise":
+        if cfg.on_scale_floor == "raise":
             raise ScaleFloorError(msg)
         self._floor_reported = True
         warnings.warn(msg, ScaleFloorWarning, stacklevel=3)
@@ -335,15 +338,15 @@ class GradScaler:
     # ---- torch.amp API ------------------------------------------------------------------------
     def is_enabled(self) -> bool:
         """True when the scaler scales (dynamic or static scale other than 1)."""
-        return self._cfg.enabled
+        return self._active_config.enabled
 
     def scale(self, outputs: Any) -> Any:
         """``outputs`` times the current scale (a tensor or nested list/tuple/dict of them)."""
         tensors = list(_walk_tensors(outputs))
-        if any(t.dtype == torch.bfloat16 for t in tensors) and self._cfg.enabled:
+        if any(t.dtype == torch.bfloat16 for t in tensors) and self._active_config.enabled:
             self._warn_bf16("the loss is bfloat16")
-            self._cfg = dataclasses.replace(self.config, fp16_type="bfloat16")
-        if not self._cfg.enabled:
+            self._active_config = dataclasses.replace(self.config, fp16_type="bfloat16")
+        if not self._active_config.enabled:
             _map_tensors(outputs, lambda t: t)  # still reject non-tensors
             return outputs
         if tensors and self._lazy_device and tensors[0].device != self.state.loss_scale.device:
@@ -381,12 +384,12 @@ class GradScaler:
         if not grads:
             rec["isfinite"] = torch.ones((), dtype=torch.bool, device=device)
             return
-        backend_flag = getattr(self, "backend_found_finite", None)
+        backend_flag = self.backend_found_finite
         if backend_flag is not None:
             # A dlspass.make_backend graph already unscaled and checked these gradients in its
             # backward; only clipping is left to do here.
             self.backend_found_finite = None
-            cfg = self._cfg
+            cfg = self._active_config
             if cfg.max_gradient_norm is not None or cfg.max_gradient_value is not None:
                 unscaled = [g.to(torch.float32) for g in grads]
                 norm = scale_policy.global_norm(unscaled) if cfg.max_gradient_norm is not None else None
@@ -394,7 +397,7 @@ class GradScaler:
             rec["isfinite"] = backend_flag.to(device)
             return
         scale = self.state.loss_scale.to(grads[0].device)
-        cfg = self._cfg
+        cfg = self._active_config
         if cfg.dynamic and all(g.dtype == torch.float32 and g.device == scale.device
                                for g in grads):
             # Same float32 math as scale_policy.dls_tail, in place: one pass fewer and no
@@ -413,7 +416,7 @@ class GradScaler:
         params = _params_with_grad(optimizer)
         grads = [distributed.local_tensor(p.grad) for p in params]
         sharded = [distributed.is_sharded(p.grad) for p in params]
-        cfg = self._cfg
+        cfg = self._active_config
         scale = self.state.loss_scale
         if grads:
             scale = scale.to(grads[0].device)
@@ -436,7 +439,7 @@ class GradScaler:
         optimizer's own return value is dropped (`TorchGradScaler.step` returns it).
         """
         closure = kwargs.get("closure", args[0] if args and callable(args[0]) else None)
-        if closure is not None and self._cfg.dynamic:
+        if closure is not None and self._active_config.dynamic:
             raise RuntimeError("dlspass.GradScaler.step: closures are not supported with "
                                "dynamic loss scaling")
         rec = self._record(optimizer)
@@ -447,7 +450,7 @@ class GradScaler:
             self.unscale_(optimizer)
         rec["stage"] = _STEPPED
         ok = rec["isfinite"]
-        if not self._cfg.dynamic:
+        if not self._active_config.dynamic:
             optimizer.step(*args, **kwargs)
             return ok
         if getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -534,7 +537,7 @@ class GradScaler:
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Advance the scale once for the iteration (all optimizers stepped since the last one)."""
-        if new_scale is not None and self._cfg.policy == "cerebras":
+        if new_scale is not None and self._active_config.policy == "cerebras":
             raise RuntimeError("update(new_scale) is not supported in the cerebras policy: the "
                                "scale follows the policy (construct with loss_scale=<number> "
                                "for a static scale)")
@@ -542,7 +545,7 @@ class GradScaler:
         self._last_stepped = {k: r["isfinite"] for k, r in self._per_opt.items()
                               if r["stage"] == _STEPPED}
         self._per_opt = {}
-        if not self._cfg.enabled:
+        if not self._active_config.enabled:
             return
         if not flags:
             raise RuntimeError("update(): no optimizer was unscaled or stepped since the last "
@@ -556,7 +559,7 @@ class GradScaler:
                 loss_scale=v.clone(), non_clamped_scale=v.clone(),
                 num_skipped_steps=s.num_skipped_steps + (~ok).to(torch.int64))
         else:
-            self.state = update_state(self.state, ok, self._cfg)
+            self.state = update_state(self.state, ok, self._active_config)
         self._count_update()
 
     def _after_compiled_step(self, skipped_before: Tensor, optimizer: torch.optim.Optimizer) -> None:
@@ -579,13 +582,13 @@ class GradScaler:
         Also the lazy point of the scale-floor warning/error (one host read while unreported).
         """
         self._check_floor()
-        if not self._cfg.enabled:
+        if not self._active_config.enabled:
             return torch.ones((), dtype=torch.float32, device=self.state.loss_scale.device)
         return self.state.loss_scale
 
     def get_scale_tensor(self) -> Tensor:
         """The scale as a 0-d float32 tensor, without a host sync (1.0 when disabled)."""
-        if not self._cfg.enabled:
+        if not self._active_config.enabled:
             return torch.ones((), dtype=torch.float32, device=self.state.loss_scale.device)
         return self.state.loss_scale
 
@@ -622,8 +625,9 @@ class GradScaler:
     def _commit_config(self, config: DLSConfig) -> None:
         # the active config keeps a bfloat16 pass-through decided at run time
         self.config = config
-        self._cfg = (config if self._cfg.fp16_type == config.fp16_type
-                     else dataclasses.replace(config, fp16_type=self._cfg.fp16_type))
+        active = self._active_config.fp16_type
+        self._active_config = (config if active == config.fp16_type
+                               else dataclasses.replace(config, fp16_type=active))
 
     def get_non_clamped_scale(self) -> Tensor:
         """The scale before the floor clamp (cstorch): below ``min_loss_scale`` at the floor."""
@@ -689,10 +693,20 @@ class GradScaler:
             self._floor_reported = False
 
     def _plan_load(self, state_dict: object) -> tuple[DLSConfig, ScalerState | None]:
-        """Check every entry of ``state_dict``; return the config and state to install."""
-        sd = _flatten_checkpoint(state_dict)
-        if "scale" in sd and "_growth_tracker" in sd:
-            return self._plan_torch_amp(sd)
+        """Check every entry of ``state_dict``; return the config and state to install.
+
+        Three steps: bring the accepted forms to one dict (`_normalized_checkpoint`), check its
+        entries under the names the checkpoint uses, then rebuild the state from the checked
+        values. ``None`` for the state: a static or disabled scaler keeps its configuration.
+        """
+        torch_amp, sd = _normalized_checkpoint(state_dict)
+        checked = self._checked_torch_amp if torch_amp else self._checked_entries
+        config, vals = checked(sd)
+        return config, (None if vals is None else self._state_from(config, vals))
+
+    def _checked_entries(self, sd: Mapping[str, Any]
+                         ) -> tuple[DLSConfig, dict[str, float | int] | None]:
+        """This class's own entries (also cstorch's): the config and the state values."""
         version = sd.get("format_version", FORMAT_VERSION)
         if isinstance(version, bool) or not isinstance(version, int) or version > FORMAT_VERSION:
             raise ScalerStateError(f"format_version: {_short(version)} is not a format this "
@@ -719,13 +733,31 @@ class GradScaler:
                 f"Pass load_state_dict({{}}) to restart DLS from the configuration instead")
         if missing:
             raise ScalerStateError(f"load_state_dict: missing key(s) {', '.join(missing)}")
-        vals.setdefault("hysteresis", config.hysteresis_steps)
-        vals.setdefault("non_clamped_scale", vals["loss_scale"])
-        return config, self._state_from(vals)
+        return config, vals
 
-    def _state_from(self, vals: Mapping[str, float | int]) -> ScalerState:
+    def _checked_torch_amp(self, sd: Mapping[str, Any]
+                           ) -> tuple[DLSConfig, dict[str, float | int] | None]:
+        """torch.amp.GradScaler's five entries, as the same config and state values."""
+        if self.config.policy != "torch":
+            raise ScalerStateError("load_state_dict: this is a torch.amp.GradScaler state_dict; "
+                                   "it loads into policy='torch' (dlspass.TorchGradScaler) only")
+        missing = [k for k in TORCH_AMP_KEYS if k not in sd]
+        if missing:
+            raise ScalerStateError(f"load_state_dict: missing key(s) {', '.join(missing)}")
+        scale = checked_scale("scale", sd["scale"])
+        tracker = _checked_count("_growth_tracker", sd["_growth_tracker"])
+        config = self._config_with_factors(sd, {})
+        if not self.config.dynamic:
+            return self.config, None
+        return config, {"loss_scale": scale, "steps_since_rescale": tracker}
+
+    def _state_from(self, config: DLSConfig, vals: Mapping[str, float | int]) -> ScalerState:
+        """The state rebuilt from checked values; a key not given takes its fresh value."""
+        given = {"hysteresis": config.hysteresis_steps, "non_clamped_scale": vals["loss_scale"],
+                 **vals}
         device = self.state.loss_scale.device
-        return ScalerState(**{f: torch.tensor(vals.get(f, 0), dtype=STATE_DTYPES[f], device=device)
+        return ScalerState(**{f: torch.tensor(given.get(f, 0), dtype=STATE_DTYPES[f],
+                                              device=device)
                               for f in STATE_FIELDS})
 
     def _config_with_factors(self, sd: Mapping[str, Any], ck_cfg: Mapping[str, Any]) -> DLSConfig:
@@ -756,33 +788,23 @@ class GradScaler:
         except ConfigError as e:  # pragma: no cover - the checks above are DLSConfig's
             raise ScalerStateError(str(e)) from e
 
-    def _plan_torch_amp(self, sd: Mapping[str, Any]) -> tuple[DLSConfig, ScalerState | None]:
-        if self.config.policy != "torch":
-            raise ScalerStateError("load_state_dict: this is a torch.amp.GradScaler state_dict; "
-                                   "it loads into policy='torch' (dlspass.TorchGradScaler) only")
-        missing = [k for k in TORCH_AMP_KEYS if k not in sd]
-        if missing:
-            raise ScalerStateError(f"load_state_dict: missing key(s) {', '.join(missing)}")
-        scale = checked_scale("scale", sd["scale"])
-        tracker = _checked_count("_growth_tracker", sd["_growth_tracker"])
-        config = self._config_with_factors(sd, {})
-        if not self.config.dynamic:
-            return self.config, None
-        return config, self._state_from({
-            "loss_scale": scale, "non_clamped_scale": scale, "steps_since_rescale": tracker,
-            "hysteresis": config.hysteresis_steps})
 
+def _normalized_checkpoint(state_dict: object) -> tuple[bool, dict[Any, Any]]:
+    """The scaler entries of a checkpoint in one flat dict, and whether they are torch.amp's.
 
-def _flatten_checkpoint(state_dict: object) -> dict[Any, Any]:
-    """The scaler entries of a checkpoint: nested ``grad_scaler`` and ``grad_scaler.*`` keys."""
+    Accepted forms: a nested ``{"grad_scaler": {...}}`` (a whole Cerebras/Model Zoo
+    checkpoint), flattened ``grad_scaler.<key>`` keys, this class's own dict, and
+    torch.amp.GradScaler's (``scale`` and ``_growth_tracker`` among its keys).
+    """
     if not isinstance(state_dict, Mapping):
         raise ScalerStateError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
     sd = dict(state_dict)
     if isinstance(sd.get("grad_scaler"), Mapping):
         sd = dict(sd["grad_scaler"])
     prefix = "grad_scaler."
-    return {k[len(prefix):] if isinstance(k, str) and k.startswith(prefix) else k: v
+    flat = {k[len(prefix):] if isinstance(k, str) and k.startswith(prefix) else k: v
             for k, v in sd.items()}
+    return "scale" in flat and "_growth_tracker" in flat, flat
 
 
 class TorchGradScaler(GradScaler, torch.amp.GradScaler):
@@ -829,7 +851,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
                 raise AssertionError("The backoff factor must be < 1.0.")
         checked_scale("init_scale", init_scale, ConfigError)
         self._amp_device = device
-        self._amp_initialised = False  # torch sets its scale up in the first scale()
+        self._amp_initialized = False  # torch sets its scale up in the first scale()
         self._unscale_guard_warned = False
         cfg = DLSConfig(
             loss_scale="dynamic" if enabled else None, initial_loss_scale=init_scale,
@@ -841,21 +863,21 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
 
     # ---- torch.amp's lazy set-up and the private protocol fused optimizers use -------------
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
-        if not self._amp_initialised:
+        if not self._amp_initialized:
             device = torch.device(dev)
             if self._lazy_device and self.state.loss_scale.device != device:
                 self._move_state(device)
-            self._amp_initialised = True
+            self._amp_initialized = True
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
-        if not self._amp_initialised:
+        if not self._amp_initialized:
             raise AssertionError(
                 f"Attempted {funcname} but _scale is None.  This may indicate your script did "
                 f"not use scaler.scale(loss or outputs) earlier in the iteration.")
         return self.state.loss_scale, self.state.steps_since_rescale
 
     def _get_scale_async(self) -> Tensor | None:
-        return self.state.loss_scale if self._amp_initialised else None
+        return self.state.loss_scale if self._amp_initialized else None
 
     def _get_growth_tracker(self) -> int:
         return int(self.state.steps_since_rescale) if self.is_enabled() else 0
@@ -1031,8 +1053,9 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
             for f in found_infs[1:]:
                 found += f
             new_value, tracker32 = scale.clone(), tracker.to(torch.int32)
-            torch._amp_update_scale_(new_value, tracker32, found, self._cfg.growth,
-                                     self._cfg.backoff, self._cfg.growth_interval)
+            cfg = self._active_config
+            torch._amp_update_scale_(new_value, tracker32, found, cfg.growth, cfg.backoff,
+                                     cfg.growth_interval)
             state = self.state._replace(loss_scale=new_value, non_clamped_scale=new_value.clone(),
                                         steps_since_rescale=tracker32.to(torch.int64))
         overflow = (torch.stack([f.reshape(()) for f in found_infs]).sum() > 0 if found_infs
@@ -1099,7 +1122,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
             if self._per_opt:
                 raise AssertionError("A GradScaler instance may only be pickled at the beginning "
                                      "of an iteration, or at the end after scaler.update().")
-            state["_amp_initialised"] = False  # as torch: set up again by the next scale()
+            state["_amp_initialized"] = False  # as torch: set up again by the next scale()
         state["_buffers"] = {}
         return state
 

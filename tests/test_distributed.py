@@ -3,7 +3,7 @@
 Each world size is started once (module-scoped fixture): every rank runs all scenarios of
 `_worker` and saves its observations; the tests compare ranks with each other and with
 single-process references (eager fp32 on the concatenated batch, torch's own clipping and
-optimizers, the hand-worked trace of SPEC.md §1).
+optimizers, the worked trace of docs/SEMANTICS.md §1.4).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def test_spec_example_cbfloat16_dynamic():
     assert cfg.mixed_precision is True
     assert cfg.max_gradient_norm == 1.0
     assert cfg.log_loss_scale is True
-    # SPEC §1 table: cbfloat16 starts at (and is capped by) 2**31, floor 2**-14, interval 2000.
+    # docs/SEMANTICS.md §2: cbfloat16 starts at (and is capped by) 2**31, floor 2**-14, interval 2000.
     assert cfg.init_scale == 2.0**31
     assert cfg.max_scale == 2.0**31
     assert cfg.min_scale == 2.0**-14

@@ -1,6 +1,6 @@
 """Property-based tests of the scale policies (hypothesis) against independent references.
 
-- cerebras: a plain-Python reimplementation of SPEC.md §1 in numpy float32, written here;
+- cerebras: a plain-Python reimplementation of docs/SEMANTICS.md §1.2 in numpy float32;
 - torch: ``torch.amp.GradScaler`` itself, run on a one-parameter model, compared while torch's
   scale stays >= dlspass's floor (below it the floor is the intended difference);
 - every preset: the scale stays in [min, max], 1/scale is finite, counters never go negative;
@@ -41,7 +41,7 @@ def run_policy(cfg: DLSConfig, finite_seq: list[bool]) -> list[tuple]:
     return out
 
 
-# ---- cerebras: SPEC.md §1 written out again in numpy float32 ------------------------------------
+# ---- cerebras: docs/SEMANTICS.md §1.2 written out again in numpy float32 ------------------------
 def cerebras_reference(seq: list[bool], init: float, interval: int, tol: float, mn: float,
                        mx: float) -> list[tuple[float, int, int, int]]:
     scale = min(f32(mx), f32(init))
@@ -91,7 +91,7 @@ def test_cerebras_matches_spec_reference(case: tuple[DLSConfig, float], seq: lis
 
 
 def test_cerebras_reference_reproduces_the_spec_trace() -> None:
-    """The reference itself against SPEC.md's worked trace (so it cannot agree by accident)."""
+    """The reference itself against docs/SEMANTICS.md §1.4's worked trace (so it cannot agree by chance)."""
     seq = [k not in (5, 10, 11) for k in range(1, 16)]
     scales = [s for s, *_ in cerebras_reference(seq, 1024, 3, 0.0, 2.0**-14, 2.0**15)]
     assert scales[:3] == [1024] * 3 and scales[3] == 2048 and scales[4] == 1024
@@ -132,7 +132,7 @@ def test_torch_preset_matches_torch_amp(init: float, interval: int, seq: list[bo
         assert a == b, f"step {k}: dlspass {a} torch {b}"
 
 
-# ---- keras, deepspeed, megatron: ANCHORS.md §2 written out in plain Python ------------------------
+# ---- keras, deepspeed, megatron: docs/SEMANTICS.md §3.2-3.4 written out in plain Python ---------
 def keras_reference(seq: list[bool], init: float, interval: int, hyst: int, mn: float):
     s, counter, out = init, 0, []
     for finite in seq:

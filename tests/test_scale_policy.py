@@ -1,6 +1,6 @@
 """The scale policy (`dlspass.scale_policy.update_state`) against independent references.
 
-References: SPEC.md §1's worked traces, hand-worked traces of ANCHORS.md §2 committed in
+References: the worked traces of docs/SEMANTICS.md §1.4 and §3, committed with their derivation in
 ``tests/traces/policies.json``, float64/float32 arithmetic, and the real torch.amp.GradScaler.
 """
 

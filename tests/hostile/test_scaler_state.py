@@ -41,7 +41,7 @@ def _trained(scaler):
 
 
 def _snapshot(scaler):
-    return ([t.clone() for t in scaler.state], scaler.config, scaler._cfg,
+    return ([t.clone() for t in scaler.state], scaler.config, scaler._active_config,
             scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
 
 

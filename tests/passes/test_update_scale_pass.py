@@ -1,4 +1,4 @@
-"""UpdateScalePass: scaler-state outputs equal update_state in eager, and follow SPEC.md's trace."""
+"""UpdateScalePass: state outputs equal update_state in eager and follow docs/SEMANTICS.md §1.4."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_state_outputs_equal_update_state_eager(policy: str, finite: bool) -> No
 
 
 def test_spec_worked_trace() -> None:
-    # SPEC.md §1: init=1024, steps_per_increase=3, tolerance=0, overflow at steps 5, 10, 11
+    # docs/SEMANTICS.md §1.4: init=1024, steps_per_increase=3, tolerance=0, overflows 5, 10, 11
     cfg = DLSConfig(initial_loss_scale=1024.0, steps_per_increase=3, mixed_precision=False)
     step = mlp_step(cfg)
     gm = apply_dls(step.gm, cfg)
