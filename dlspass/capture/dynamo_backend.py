@@ -4,13 +4,14 @@
 through the ``torch_dynamo_backends`` entry point) runs AOTAutograd without decompositions and,
 in the forward and the backward graph, rounds the inputs and outputs of every matmul-like op
 to the 16-bit format with ``dlspass::round_to_format`` (``dlspass.passes.LowerPrecisionPass``,
-the same pass ``apply_dls`` runs); the rounding is
-then decomposed into fusable int32 bit ops and the graph goes to inductor. Loss scaling stays
-in the eager ``dlspass.GradScaler``.
+the same pass ``apply_dls`` runs); the rounding is then decomposed into fusable int32 bit ops
+(``DecomposeForInductorPass``) and the graph goes to inductor. Loss scaling stays in the eager
+``dlspass.GradScaler``. The backend is a `DLSBackend` object, which keeps the graphs it rewrote.
 
 ``make_backend(scaler=...)`` returns a backend that also scales the backward seed
 (``tangents_1``) by the scaler's loss scale and unscales and checks the gradients inside the
-backward graph. The scale enters and the overflow flag leaves through an extra placeholder and
+backward graph (``dlspass.passes.scale_backward_pass.ScaleBackwardPass``, the
+``dlspass.scale_policy`` math the scaler runs eagerly). The scale enters and the overflow flag leaves through an extra placeholder and
 output that a boxed wrapper threads (no host sync): the flag lands in
 ``scaler.backend_found_finite`` (a 0-d bool tensor) for the scaler's ``step``/``update``. The
 flags of every backward graph run since the scaler last consumed it (several graphs after a
