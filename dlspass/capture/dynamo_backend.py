@@ -22,12 +22,15 @@ overflow in any of them skips the step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 from torch import Tensor
 
 from dlspass.config import FP16_TYPES, ConfigError, DLSConfig
+
+if TYPE_CHECKING:
+    from dlspass.scaler import GradScaler
 
 OPTIONS = ("fp16_type", "mixed_precision", "backend_compiler")
 # what compiles the rewritten graphs (``dlspass.compile`` takes the same choices)
@@ -187,7 +190,7 @@ class DLSBackend:
     forward and, at its first backward, its backward graph.
     """
 
-    def __init__(self, options: dict[str, Any], scaler: Any | None = None) -> None:
+    def __init__(self, options: dict[str, Any], scaler: GradScaler | None = None) -> None:
         self.options = validate_options(options)
         self.scaler = scaler
         self.graphs: list[fx.GraphModule] = []
@@ -246,7 +249,7 @@ def dls_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str
     return DLSBackend(options or {})(gm, example_inputs)
 
 
-def make_backend(scaler: Any | None = None, **options: Any) -> DLSBackend:
+def make_backend(scaler: GradScaler | None = None, **options: Any) -> DLSBackend:
     """A torch.compile backend: 16-bit lowering, plus in-graph seed scaling and overflow check.
 
     With ``scaler`` (a ``dlspass.GradScaler``), the backward graph multiplies the seed by
