@@ -373,6 +373,33 @@ def test_unsupported_optimizer_is_a_clear_error():
         dlspass.compile(lambda x: x, optimizer=opt, scaler=_scaler())
 
 
+class _PlainSGD(torch.optim.SGD):
+    """A subclass that keeps torch's step: capture_step accepts it, so dlspass.compile does."""
+
+
+class _OwnStepSGD(torch.optim.SGD):
+    def step(self, closure=None):  # its own math: no functional twin
+        return super().step(closure)
+
+
+def test_optimizer_subclass_is_accepted_as_capture_step_accepts_it():
+    from dlspass.capture.optim import functionalize
+
+    torch._dynamo.reset()
+    kw = {"lr": 0.05, "momentum": 0.9}
+    scaler, ref_scaler = _scaler(), _scaler()
+    model, reference, opt, step = _compiled_mlp(_PlainSGD, kw, scaler, mixed_precision=False)
+    ref_opt = torch.optim.SGD(reference.parameters(), **kw)
+    functionalize(opt, {id(p): str(i) for i, p in enumerate(model.parameters())})  # capture's rule
+    _train_both(step, reference, ref_opt, ref_scaler, _batches(6))
+    _assert_same_params(model, reference)
+    assert int(scaler.state.num_skipped_steps) == int(ref_scaler.state.num_skipped_steps) == 1
+
+    own = _OwnStepSGD(MLP().parameters(), lr=0.1)
+    with pytest.raises(CompileError, match=r"_OwnStepSGD.*supported: torch.optim.SGD, torch.optim.Adam"):
+        dlspass.compile(lambda x: x, optimizer=own, scaler=_scaler())
+
+
 def test_data_dependent_control_flow_is_a_clear_error():
     torch._dynamo.reset()
     model = MLP()
@@ -404,6 +431,9 @@ def test_config_conflicts_and_bad_options():
         dlspass.compile(lambda: None, optimizer=opt, backend_compiler="tvm")
     with pytest.raises(CompileError, match="torch.optim optimizer"):
         dlspass.compile(lambda: None, optimizer=object())
+    with pytest.raises(CompileError, match="fn must be callable") as info:
+        dlspass.compile(42, optimizer=opt)
+    assert isinstance(info.value, TypeError)  # the builtin type it always had
     # no conflict: the same format, and a norm the scaler leaves open
     def train_step(x, y, *, scale=1.0):
         return None

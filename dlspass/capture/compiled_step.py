@@ -42,23 +42,32 @@ import torch.fx as fx
 from torch import Tensor
 
 from dlspass import scale_policy
+from dlspass.capture.dynamo_backend import BACKEND_COMPILERS
 from dlspass.capture.optim import (
+    SUPPORTED_OPTIMIZERS,
     FunctionalOptimizer,
     UnsupportedOptimizerError,
     functionalize,
+    optimizer_kind,
     update_one,
 )
 from dlspass.config import ConfigError, DLSConfig
-from dlspass.errors import DLSInputError
+from dlspass.errors import DLSInputError, DLSPassError
 from dlspass.graph import roles
 from dlspass.graph.marks import mark, resolve_marks
+from dlspass.passes.remove_placeholder_aliases_pass import RemovePlaceholderAliasesPass
+from dlspass.passes.write_updates_in_place_pass import SOURCE_OF, WriteUpdatesInPlacePass
 
-BACKEND_COMPILERS = ("inductor", "eager")
-SUPPORTED_OPTIMIZERS = ("torch.optim.SGD", "torch.optim.Adam", "torch.optim.AdamW")
+_SUPPORTED = ", ".join(f"torch.optim.{name}" for name in SUPPORTED_OPTIMIZERS)
 
 
 class CompileError(DLSInputError, RuntimeError):
     """The training step cannot be compiled as one dlspass graph; the message says why."""
+
+
+class StepNotCallableError(CompileError, TypeError):
+    """``dlspass.compile`` was given something that is not callable as the step (a TypeError,
+    as it always was)."""
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -114,11 +123,12 @@ def resolve_config(
 # ---- the optimizer: torch.optim's math from dlspass.capture.optim, on live tensors -------------
 
 def _functionalize(optimizer: Any, names: dict[int, str]) -> FunctionalOptimizer:
-    if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+    # the rule capture_step uses: torch.optim's classes and subclasses that keep their step
+    if optimizer_kind(optimizer) is None:
         kind = type(optimizer)
         raise CompileError(
             f"optimizer: {kind.__module__}.{kind.__qualname__} has no functional form in dlspass; "
-            f"supported: {', '.join(SUPPORTED_OPTIMIZERS)}"
+            f"supported: {_SUPPORTED}"
         )
     try:
         return functionalize(optimizer, names)
@@ -327,9 +337,7 @@ def _is_scalar(node: fx.Node) -> bool:
     return isinstance(val, Tensor) and val.dim() == 0
 
 
-_UPDATE_OF = {roles.PARAM: roles.PARAM_UPDATE, roles.OPT_STATE: roles.OPT_STATE_UPDATE,
-              roles.SCALER_STATE: roles.SCALER_STATE_UPDATE}
-_SOURCE_OF = {upd: src for src, upd in _UPDATE_OF.items()}
+_UPDATE_OF = {src: upd for upd, src in SOURCE_OF.items()}
 
 
 def tag_aot_graph(gm: fx.GraphModule) -> None:
@@ -340,16 +348,8 @@ def tag_aot_graph(gm: fx.GraphModule) -> None:
     the rest are user outputs (LOSS); the backward seed gets SEED.
     """
     resolve_marks(gm)
+    RemovePlaceholderAliasesPass()(gm)
     graph = gm.graph
-    for node in list(graph.nodes):
-        src = node.args[0] if node.args else None
-        if (node.op == "call_function" and node.target is torch.ops.aten.alias.default
-                and isinstance(src, fx.Node) and src.op == "placeholder"
-                and roles.role_of(node) in roles.PLACEHOLDER_ROLES):
-            if roles.role_of(src) is None:
-                roles.set_role(src, roles.role_of(node), roles.target_of(node))
-            node.replace_all_uses_with(src)
-            graph.erase_node(node)
     for node in graph.find_nodes(op="placeholder"):
         if roles.role_of(node) is None:
             roles.set_role(node, roles.INPUT, node.name)
@@ -367,41 +367,18 @@ def tag_aot_graph(gm: fx.GraphModule) -> None:
 
 
 def write_updates_in_place(gm: fx.GraphModule) -> int:
-    """End the graph with ``copy_(placeholder, new)`` for every updated parameter and state.
-
-    AOTAutograd returns a training graph's input mutations as outputs and copies each one back
-    outside the graph, one eager ``copy_`` per parameter and state tensor per step. Written in
-    the graph, the updates land in the inputs' own storage (inside the fused update kernels
-    under inductor); the outputs become those inputs, so AOT's copy back is a copy of a tensor
-    onto itself, which does nothing. Run after ``apply_dls``: the passes read the functional
-    form. Returns the number of updates moved.
-    """
-    graph = gm.graph
-    source = {(roles.role_of(n), roles.target_of(n)): n for n in graph.find_nodes(op="placeholder")}
-    out = graph.output_node()
-    vals = roles.output_values(graph)
-    moved = 0
-    for i, (role, target) in enumerate(roles.output_roles(graph)):
-        ph = source.get((_SOURCE_OF.get(role), target))
-        v = vals[i]
-        if ph is None or v is ph or not isinstance(v, fx.Node):
-            continue
-        with graph.inserting_before(out):
-            vals[i] = graph.call_function(torch.ops.aten.copy_.default, (ph, v))
-        vals[i].meta["val"] = ph.meta.get("val")
-        moved += 1
-    out.args = (tuple(vals),)
-    graph.lint()
-    gm.recompile()
-    return moved
+    """End the graph with ``copy_(placeholder, new)`` for every updated parameter and state
+    (``WriteUpdatesInPlacePass``); returns the number of updates moved."""
+    write = WriteUpdatesInPlacePass()
+    write(gm)
+    return write.moved
 
 
-
-def _make_fw_compiler(step: CompiledStep):
+def _make_fw_compiler(step: CompiledStep) -> Callable[[fx.GraphModule, list[Any]], Callable]:
     from dlspass.capture import dynamo_backend
     from dlspass.passes import apply_dls
 
-    def fw_compiler(gm: fx.GraphModule, example_inputs: list[Any]):
+    def fw_compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         tag_aot_graph(gm)
         n_inputs = len(gm.graph.find_nodes(op="placeholder"))
         for graph_pass in step.graph_passes:
@@ -529,6 +506,12 @@ class CompiledStep:
             if track:
                 self.scaler._after_compiled_step(skipped, opt)
             return out
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            # dynamo wraps whatever the AOT compiler raised; a dlspass error (CompileError,
+            # a pass's PassContractError, a graph pass's FaultError) is the one to see
+            if isinstance(e.inner_exception, DLSPassError):
+                raise e.inner_exception.with_traceback(e.inner_exception.__traceback__) from None
+            raise
         except torch._dynamo.exc.Unsupported as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CompileError(
@@ -623,11 +606,11 @@ def compile(
             f"backend_compiler: expected one of {', '.join(BACKEND_COMPILERS)}, got {backend_compiler!r}"
         )
     if not callable(fn):
-        raise TypeError(f"dlspass.compile: fn must be callable, got {type(fn).__name__}")
+        raise StepNotCallableError(f"dlspass.compile: fn must be callable, got {type(fn).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise CompileError(
             f"optimizer: expected a torch.optim optimizer, got {type(optimizer).__name__}; "
-            f"supported: {', '.join(SUPPORTED_OPTIMIZERS)}"
+            f"supported: {_SUPPORTED}"
         )
     config = resolve_config(scaler, fp16_type, mixed_precision, max_gradient_norm)
     passes = list(graph_passes)

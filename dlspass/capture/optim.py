@@ -37,6 +37,8 @@ from torch import Tensor
 
 from dlspass.errors import DLSInputError
 
+# the torch.optim classes with a functional twin here: the one list capture_step, dlspass.compile
+# and the CLI (lower-cased) accept
 SUPPORTED_OPTIMIZERS = ("SGD", "Adam", "AdamW")
 
 _HYPER_DTYPE = torch.float64
@@ -51,14 +53,23 @@ def _unwrapped_step(cls: type) -> Any:
     return inspect.unwrap(cls.step)
 
 
-def _kind_of(optimizer: Any) -> str:
-    """``"SGD"`` or ``"Adam"`` (AdamW is Adam with decoupled weight decay in torch 2.13)."""
+def optimizer_kind(optimizer: Any) -> str | None:
+    """``"SGD"`` or ``"Adam"`` (AdamW is Adam with decoupled weight decay in torch 2.13) for an
+    optimizer whose step is one of `SUPPORTED_OPTIMIZERS`' (a subclass that keeps its step
+    counts), else None. ``capture_step`` and ``dlspass.compile`` both accept by this rule."""
     if isinstance(optimizer, torch.optim.Optimizer):
         step = _unwrapped_step(type(optimizer))
         if isinstance(optimizer, torch.optim.SGD) and step is _unwrapped_step(torch.optim.SGD):
             return "SGD"
         if isinstance(optimizer, torch.optim.Adam) and step is _unwrapped_step(torch.optim.Adam):
             return "Adam"
+    return None
+
+
+def _kind_of(optimizer: Any) -> str:
+    kind = optimizer_kind(optimizer)
+    if kind is not None:
+        return kind
     name = type(optimizer).__name__
     why = " (its step() is overridden)" if isinstance(
         optimizer, (torch.optim.SGD, torch.optim.Adam)) else ""

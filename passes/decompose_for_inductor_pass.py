@@ -1,0 +1,74 @@
+"""DecomposeForInductorPass: the rounding op becomes int32 bit ops and every node whose op is in inductor's decomposition table is replaced by that op's decomposition, traced alone on its fake values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import Tensor
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+
+class DecomposeForInductorPass(PassBase):
+    """Bring the ops dlspass added to an AOT graph into inductor's op set, in place.
+
+    ``compile_fx_inner`` lowers only decomposed graphs, and AOTAutograd traced the rest of the
+    graph with the same table, so only what the dlspass passes added after it is left to do
+    (``isfinite``, ``clamp``, the rounding op, ...). A node is left for inductor's fallback when
+    it has no fake values to trace with, returns several values, or decomposes into constants.
+    ``replaced`` is the number of nodes the last call replaced.
+    """
+
+    def __init__(self, table: dict[Any, Any] | None = None) -> None:
+        self.table = table
+        self.replaced = 0
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        from torch._inductor.decomposition import select_decomp_table
+
+        from dlspass.formats import decompose_rounding
+
+        table = self.table if self.table is not None else select_decomp_table()
+        count = decompose_rounding(gm, decompositions=table)
+        graph = gm.graph
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target in table and _replace(graph, node, table):
+                count += 1
+        if count:
+            graph.lint()
+            gm.recompile()
+        self.replaced = count
+        return PassResult(gm, bool(count))
+
+
+def _replace(graph: fx.Graph, node: fx.Node, table: dict[Any, Any]) -> bool:
+    """Replace ``node`` by its decomposition under ``table``; False when it is left as it is."""
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    inputs = [a for a in leaves if isinstance(a, fx.Node)]
+    vals = [a.meta.get("val") for a in inputs]
+    mode = detect_fake_mode(vals)
+    if mode is None or not isinstance(node.meta.get("val"), Tensor):
+        return False  # no fake values to trace with, or a multi-output op: inductor falls back
+    target = node.target
+
+    def call(*xs: Tensor) -> Tensor:
+        it = iter(xs)
+        args, kwargs = pytree.tree_unflatten([next(it) if isinstance(a, fx.Node) else a for a in leaves], spec)
+        return target(*args, **kwargs)
+
+    # symbolic when the values carry symbolic shapes (dynamo's fake mode has a shape env), so
+    # the decomposition's size arithmetic is traced instead of baked in
+    with mode:
+        sub = make_fx(call, decomposition_table=table,
+                      tracing_mode="symbolic" if mode.shape_env is not None else "fake")(*vals)
+    if any(n.op == "get_attr" for n in sub.graph.nodes):
+        return False  # a decomposition that makes constants: leave the op to inductor's fallback
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(node):
+        out = graph.graph_copy(sub.graph, dict(zip(placeholders, inputs, strict=True)))
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return True
