@@ -327,9 +327,7 @@ def _is_scalar(node: fx.Node) -> bool:
     return isinstance(val, Tensor) and val.dim() == 0
 
 
-_UPDATE_OF = {roles.PARAM: roles.PARAM_UPDATE, roles.OPT_STATE: roles.OPT_STATE_UPDATE,
-              roles.SCALER_STATE: roles.SCALER_STATE_UPDATE}
-_SOURCE_OF = {upd: src for src, upd in _UPDATE_OF.items()}
+_UPDATE_OF, _SOURCE_OF = roles.UPDATE_OF_SOURCE, roles.SOURCE_OF_UPDATE  # no BUFFER placeholders here
 
 
 def tag_aot_graph(gm: fx.GraphModule) -> None:
