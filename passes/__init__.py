@@ -32,8 +32,7 @@ from dlspass.passes.scale_seed_pass import ScaleSeedPass
 from dlspass.passes.unscale_grads_pass import UnscaleGradsPass
 from dlspass.passes.update_scale_pass import UpdateScalePass
 
-CONFIG_KEY = "dlspass_config"
-MODE_KEY = "dlspass_precision_mode"
+CONFIG_KEY, MODE_KEY = roles.CONFIG_KEY, roles.MODE_KEY
 
 PASSES = {p.name: p for p in (LowerPrecisionPass, ScaleSeedPass, UnscaleGradsPass,
                               ClipGradNormPass, GuardUpdatesPass, UpdateScalePass)}

@@ -9,7 +9,7 @@ from dlspass.config import DLSConfig
 from dlspass.errors import DLSInternalError
 from dlspass.graph import roles
 
-APPLIED_KEY = "dlspass_applied"
+APPLIED_KEY = roles.APPLIED_KEY
 GLOBAL = "global"  # target of the one overflow flag and the one gradient norm of a step
 
 

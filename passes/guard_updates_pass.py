@@ -16,9 +16,7 @@ from dlspass.passes.base import (
     set_outputs,
 )
 
-# BatchNorm statistics (BUFFER_UPDATE) advance on a skipped step and the scaler state is
-# the update pass's business: neither is guarded.
-GUARDED = {roles.PARAM_UPDATE: roles.PARAM, roles.OPT_STATE_UPDATE: roles.OPT_STATE}
+GUARDED = roles.GUARDED_UPDATES  # why buffers and scaler state are not guarded: see there
 
 
 class GuardUpdatesPass(FlagConsumerPass):

@@ -9,9 +9,9 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from dlspass.graph import roles
 from dlspass.passes.base import set_outputs
 
-# the placeholder role an update output writes back to
-SOURCE_OF = {roles.PARAM_UPDATE: roles.PARAM, roles.OPT_STATE_UPDATE: roles.OPT_STATE,
-             roles.SCALER_STATE_UPDATE: roles.SCALER_STATE}
+# the placeholder role an update output writes back to (buffers are not written in place:
+# a compiled step's graph has no BUFFER placeholders)
+SOURCE_OF = {upd: src for upd, src in roles.SOURCE_OF_UPDATE.items() if upd != roles.BUFFER_UPDATE}
 
 
 class WriteUpdatesInPlacePass(PassBase):

@@ -56,7 +56,7 @@ from dlspass.errors import DLSInputError, DLSPassError
 from dlspass.graph import roles
 from dlspass.graph.marks import mark, resolve_marks
 from dlspass.passes.remove_placeholder_aliases_pass import RemovePlaceholderAliasesPass
-from dlspass.passes.write_updates_in_place_pass import SOURCE_OF, WriteUpdatesInPlacePass
+from dlspass.passes.write_updates_in_place_pass import WriteUpdatesInPlacePass
 
 _SUPPORTED = ", ".join(f"torch.optim.{name}" for name in SUPPORTED_OPTIMIZERS)
 
@@ -337,7 +337,7 @@ def _is_scalar(node: fx.Node) -> bool:
     return isinstance(val, Tensor) and val.dim() == 0
 
 
-_UPDATE_OF = {src: upd for upd, src in SOURCE_OF.items()}
+_UPDATE_OF = roles.UPDATE_OF_SOURCE  # compiled steps have no BUFFER placeholders
 
 
 def tag_aot_graph(gm: fx.GraphModule) -> None:

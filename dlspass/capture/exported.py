@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from dlspass.capture.program import make_program
 from dlspass.config import DLSConfig
 from dlspass.errors import DLSInputError
 from dlspass.files.atomic_write import write_atomic  # also imported from here by cli and onnx_io
@@ -49,6 +50,14 @@ from dlspass.files.bounded_text import excerpt
 from dlspass.files.file_meta import check_pt2_meta
 from dlspass.files.pt2_archive import check_pt2_archive, save_pt2
 from dlspass.graph import roles
+from dlspass.graph.step_io import StepIO, mark_grads, safe_name, tag_step_io
+from dlspass.passes.base import PassContractError
+from dlspass.passes.clone_shared_outputs_pass import CloneSharedOutputsPass
+from dlspass.passes.drop_none_getitems_pass import DropNoneGetitemsPass
+from dlspass.passes.drop_unchanged_outputs_pass import DropUnchangedOutputsPass
+from dlspass.passes.lift_constants_pass import LiftConstantsPass
+from dlspass.passes.mark_seed_pass import MarkSeedPass, joint_seeds
+from dlspass.passes.merge_placeholders_pass import MergePlaceholdersPass
 
 META_FILE = "dlspass.json"
 FORMAT_VERSION = 1
@@ -290,22 +299,16 @@ def merge_tied_parameters(ep: torch.export.ExportedProgram) -> torch.export.Expo
     tied = [g for g in groups.values() if len(g) > 1]
     if not tied:
         return ep
-    gm = copy.deepcopy(ep.graph_module)
-    placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
-    dropped: set[str] = set()
+    placeholders = {n.name: n for n in ep.graph_module.graph.find_nodes(op="placeholder")}
+    merge: dict[str, str] = {}
     renamed: dict[str, str] = {}
     for group in tied:
         keep = next((s for s in group if placeholders[s.arg.name].users), group[0])
-        for spec in group:
-            if spec is keep:
-                continue
-            node = placeholders[spec.arg.name]
-            node.replace_all_uses_with(placeholders[keep.arg.name])
-            gm.graph.erase_node(node)
-            dropped.add(spec.arg.name)
+        merge.update({spec.arg.name: keep.arg.name for spec in group if spec is not keep})
         renamed[keep.arg.name] = group[0].target
-    gm.graph.lint()
-    gm.recompile()
+    gm = copy.deepcopy(ep.graph_module)
+    MergePlaceholdersPass(merge)(gm)
+    dropped = set(merge)
     specs = [dataclasses.replace(s, target=renamed.get(s.arg.name, s.target))
              for s in sig.input_specs if s.arg.name not in dropped]
     new_sig = dataclasses.replace(sig, input_specs=specs)
@@ -356,10 +359,6 @@ def _export_forward_backward(ep: torch.export.ExportedProgram) -> torch.export.E
 
 # ---- joint program -> training step graph ------------------------------------------------
 
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name)
-
-
 @dataclass
 class _Joint:
     gm: fx.GraphModule
@@ -408,19 +407,11 @@ def _joint(ep: torch.export.ExportedProgram, source: str) -> _Joint:
         out_kinds.append((kind, spec.target))
     # the seed: full_like(loss, 1) in the joint graph
     loss_name = bw.loss_output
-    seeds = [n for n in gm.graph.nodes if n.op == "call_function"
-             and n.target in (torch.ops.aten.full_like.default, torch.ops.aten.ones_like.default)
-             and n.args and getattr(n.args[0], "name", None) == loss_name]
+    seeds = joint_seeds(gm.graph, loss_name)
     if len(seeds) != 1:
         raise InputError(f"{source}: cannot find the backward seed full_like({loss_name}, 1) "
                          f"(found {len(seeds)})")
-    from dlspass.graph.marks import MARK_OP
-
-    seed = seeds[0]
-    with gm.graph.inserting_after(seed):
-        marked = gm.graph.call_function(MARK_OP, (seed, roles.SEED, ""))
-    seed.replace_all_uses_with(marked, delete_user_cb=lambda u: u is not marked)
-    gm.recompile()
+    MarkSeedPass(loss_name)(gm)
     return _Joint(gm, params, buffers, inputs, consts, kinds, out_kinds)
 
 
@@ -438,8 +429,17 @@ class StepInfo:
     forward_arg_names: list[str] | None
 
 
-def build_step(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec, config: DLSConfig | None,
-               source: str) -> tuple[fx.GraphModule, StepInfo]:
+_NAME_PREFIX = {roles.PARAM: "p_", roles.BUFFER: "b_", roles.OPT_STATE: "opt_",
+                roles.SCALER_STATE: "scaler_", roles.HYPER: "hyper_"}
+
+
+def _placeholder_name(role: str, target: str) -> str:
+    """``p_<param>``, ``b_<buffer>``, ...; user inputs keep the name export gave them."""
+    return target if role == roles.INPUT else _NAME_PREFIX[role] + safe_name(target)
+
+
+def joint_to_step_graph(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec,
+                        config: DLSConfig | None, source: str) -> tuple[fx.GraphModule, StepInfo]:
     """The role-tagged (not yet rewritten) training step of the joint program ``ep``."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -461,17 +461,12 @@ def build_step(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec, confi
     example = list(ep.example_inputs[0]) if ep.example_inputs else None
     if example is None or len(example) != len(j.inputs):
         raise InputError(f"{source}: the program carries no example inputs to trace with")
-    n_p, n_b, n_o, n_s, n_h = len(params), len(buffers), len(opt_state), len(scaler), len(hyper)
     grad_names = [t for k, t in j.out_kinds if k == "grad"]
+    io = StepIO(params=list(params), buffers=list(buffers), opt_state=list(opt_state),
+                hyper=list(hyper), batch=j.inputs)
 
     def flat_step(*flat: Tensor) -> tuple[Tensor, ...]:
-        it = iter(flat)
-        p = {k: next(it) for k in params}
-        b = {k: next(it) for k in buffers}
-        o = {k: next(it) for k in opt_state}
-        s = [next(it) for _ in range(n_s)]
-        h = {k: next(it) for k in hyper}
-        x = list(it)
+        p, b, o, s, h, x = io.split(flat)
         sources = {"param": iter(p.values()), "buffer": iter(b.values()), "input": iter(x),
                    "const": iter(const_values)}
         args = [next(sources[k]) for k in j.kinds]
@@ -481,10 +476,10 @@ def build_step(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec, confi
             if kind == "loss":
                 loss = mark(v, roles.LOSS)
             elif kind == "grad":
-                grads[target] = mark(v, roles.GRAD, target)
+                grads[target] = v
             elif kind == "buffer":
                 new_b[target] = v
-        new_p, new_o = fopt.update(p, grads, o, h)
+        new_p, new_o = fopt.update(p, mark_grads(grads), o, h)
         return (*new_p.values(), *new_b.values(), *new_o.values(), *s, loss)
 
     flat = [*(v.detach() for v in params.values()), *buffers.values(), *opt_state.values(),
@@ -497,50 +492,16 @@ def build_step(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec, confi
         if "custom" in node.meta:
             node.meta["custom"] = dict(node.meta["custom"])
     resolve_marks(gm)
-    _drop_unused_none_outputs(gm.graph)
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    tags = ([(roles.PARAM, k, f"p_{_safe(k)}") for k in params]
-            + [(roles.BUFFER, k, f"b_{_safe(k)}") for k in buffers]
-            + [(roles.OPT_STATE, k, f"opt_{_safe(k)}") for k in opt_state]
-            + [(roles.SCALER_STATE, k, f"scaler_{k}") for k in scaler]
-            + [(roles.HYPER, k, f"hyper_{_safe(k)}") for k in hyper]
-            + [(roles.INPUT, k, k) for k in j.inputs])
-    for node, (role, target, name) in zip(placeholders, tags, strict=True):
-        roles.set_role(node, role, target)
-        node.name = node.target = name
-    out_roles = ([(roles.PARAM_UPDATE, k) for k in params]
-                 + [(roles.BUFFER_UPDATE, k) for k in buffers]
-                 + [(roles.OPT_STATE_UPDATE, k) for k in opt_state]
-                 + [(roles.SCALER_STATE_UPDATE, k) for k in scaler] + [(roles.LOSS, None)])
-    roles.set_output_roles(gm.graph, out_roles)
-    for node, (role, target) in zip(roles.output_values(gm.graph), out_roles, strict=True):
-        if node.op != "placeholder" and roles.role_of(node) is None:
-            roles.set_role(node, role, target)
+    DropNoneGetitemsPass()(gm)
     missing = set(params) - set(grad_names)
     if missing == set(params):
         raise InputError(f"{source}: no parameter receives a gradient")
-    gm.graph.lint()
-    gm.recompile()
+    tag_step_io(gm, io, name=_placeholder_name)
     sig = ep.module_call_graph[0].signature if ep.module_call_graph else None
     info = StepInfo(params, buffers, opt_state, scaler, hyper, j.inputs,
                     sig.in_spec if sig is not None else None,
                     getattr(sig, "forward_arg_names", None) if sig is not None else None)
-    del n_p, n_b, n_o, n_h
     return gm, info
-
-
-def _drop_unused_none_outputs(graph: fx.Graph) -> None:
-    """Erase unused ``getitem`` nodes of values that are None (no ``meta["val"]``).
-
-    ``make_fx`` keeps ``convolution_backward(...)[0]`` for an input that needs no gradient
-    (the op returns None there); the ExportedProgram verifier refuses any node without a value.
-    """
-    import operator
-
-    for node in list(graph.nodes):
-        if (node.op == "call_function" and node.target is operator.getitem and not node.users
-                and node.meta.get("val") is None):
-            graph.erase_node(node)
 
 
 # ---- step graph -> ExportedProgram -----------------------------------------------------------
@@ -548,39 +509,7 @@ def _drop_unused_none_outputs(graph: fx.Graph) -> None:
 def _buffer_name(role: str, target: str) -> str:
     prefix = {roles.OPT_STATE: "dlspass_opt", roles.SCALER_STATE: "dlspass_scaler",
               roles.HYPER: "dlspass_hyper"}[role]
-    return f"{prefix}_{_safe(target)}"
-
-
-def _lift_constants(gm: fx.GraphModule) -> dict[str, Tensor]:
-    """Turn tensor ``get_attr`` nodes (constants the passes created) into placeholders."""
-    consts: dict[str, Tensor] = {}
-    graph = gm.graph
-    first_input = next((n for n in graph.find_nodes(op="placeholder") if roles.role_of(n) == roles.INPUT), None)
-    for node in list(graph.nodes):
-        if node.op != "get_attr":
-            continue
-        value = getattr(gm, node.target)
-        if not isinstance(value, Tensor):
-            raise InputError(f"cannot package get_attr {node.target!r} of type {type(value).__name__}")
-        name = f"c_{_safe(node.target)}"
-        anchor = first_input if first_input is not None else _first_non_placeholder(graph)
-        with graph.inserting_before(anchor):
-            ph = graph.placeholder(name)
-        ph.meta.update(node.meta)
-        if "val" not in ph.meta:
-            from torch._guards import detect_fake_mode
-
-            mode = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")
-                                     if isinstance(n.meta.get("val"), Tensor)])
-            ph.meta["val"] = mode.from_tensor(value) if mode is not None else value
-        node.replace_all_uses_with(ph)
-        graph.erase_node(node)
-        consts[ph.name] = value.detach().clone()
-    return consts
-
-
-def _first_non_placeholder(graph: fx.Graph) -> fx.Node:
-    return next(n for n in graph.nodes if n.op != "placeholder")
+    return f"{prefix}_{safe_name(target)}"
 
 
 def package_step(gm: fx.GraphModule, info: StepInfo) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
@@ -590,10 +519,7 @@ def package_step(gm: fx.GraphModule, info: StepInfo) -> tuple[torch.export.Expor
     value returned at two positions gets a clone, because the signature names outputs by node.
     Returns the program and the ``dlspass.json`` fields that describe its roles.
     """
-    from torch.export import ExportedProgram
-    from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
     from torch.export.graph_signature import (
-        ExportGraphSignature,
         InputKind,
         InputSpec,
         OutputKind,
@@ -604,9 +530,13 @@ def package_step(gm: fx.GraphModule, info: StepInfo) -> tuple[torch.export.Expor
 
     gm = copy.deepcopy(gm)
     graph = gm.graph
-    consts = _lift_constants(gm)
+    lift = LiftConstantsPass()
+    try:
+        lift(gm)
+    except PassContractError as e:  # a constant the user's program made that is no tensor
+        raise InputError(str(e)) from None
+    consts = lift.constants
     placeholders = graph.find_nodes(op="placeholder")
-    by_key = {(roles.role_of(n), roles.target_of(n)): n for n in placeholders}
     values = {roles.PARAM: info.params, roles.BUFFER: info.buffers, roles.OPT_STATE: info.opt_state,
               roles.SCALER_STATE: info.scaler, roles.HYPER: info.hyper}
     state_dict: dict[str, Tensor] = {}
@@ -627,47 +557,24 @@ def package_step(gm: fx.GraphModule, info: StepInfo) -> tuple[torch.export.Expor
             input_specs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(node.name), None))
         else:
             raise InputError(f"placeholder {node.name} has no role")
-    kept_vals, kept_roles, output_specs, seen = [], [], [], set()
-    for v, (role, target) in zip(roles.output_values(graph), roles.output_roles(graph), strict=True):
+    DropUnchangedOutputsPass()(gm)  # nothing to mutate
+    CloneSharedOutputsPass()(gm)  # the signature names outputs by node
+    kept_vals, kept_roles = roles.output_values(graph), roles.output_roles(graph)
+    output_specs = []
+    for v, (role, target) in zip(kept_vals, kept_roles, strict=True):
+        src = roles.SOURCE_OF_UPDATE.get(role)
         if role == roles.LOSS:
             spec_kind, spec_target = OutputKind.LOSS_OUTPUT, None
+        elif src == roles.PARAM:
+            spec_kind, spec_target = OutputKind.PARAMETER_MUTATION, target
         else:
-            src = {roles.PARAM_UPDATE: roles.PARAM, roles.BUFFER_UPDATE: roles.BUFFER,
-                   roles.OPT_STATE_UPDATE: roles.OPT_STATE,
-                   roles.SCALER_STATE_UPDATE: roles.SCALER_STATE}[role]
-            if by_key.get((src, target)) is v:
-                continue  # unchanged: no mutation to declare
-            if src == roles.PARAM:
-                spec_kind, spec_target = OutputKind.PARAMETER_MUTATION, target
-            else:
-                spec_kind = OutputKind.BUFFER_MUTATION
-                spec_target = target if src == roles.BUFFER else _buffer_name(src, target)
-        if v in seen or v.op == "placeholder":
-            from dlspass.graph.splice import set_fake_val
-
-            with graph.inserting_before(graph.output_node()):
-                dup = graph.call_function(torch.ops.aten.clone.default, (v,))
-            set_fake_val(dup)
-            roles.set_role(dup, role, target)
-            v = dup
-        seen.add(v)
-        kept_vals.append(v)
-        kept_roles.append((role, target))
+            spec_kind = OutputKind.BUFFER_MUTATION
+            spec_target = target if src == roles.BUFFER else _buffer_name(src, target)
         output_specs.append(OutputSpec(spec_kind, TensorArgument(v.name), spec_target))
-    graph.output_node().args = (tuple(kept_vals),)
-    roles.set_output_roles(graph, kept_roles)
-    graph.lint()
     gm.recompile()
-    sig = ExportGraphSignature(input_specs=input_specs, output_specs=output_specs)
-    loss_node = kept_vals[-1]
-    out_spec = tree_flatten(loss_node.meta["val"])[1]
-    call_sig = ModuleCallSignature(inputs=[], outputs=[], in_spec=info.in_spec, out_spec=out_spec,
-                                   forward_arg_names=info.forward_arg_names)
-    example = None
-    ep = ExportedProgram(
-        root=gm, graph=gm.graph, graph_signature=sig, state_dict=state_dict, range_constraints={},
-        module_call_graph=[ModuleCallEntry(fqn="", signature=call_sig)], example_inputs=example,
-        constants=consts)
+    ep = make_program(gm, input_specs, output_specs, state_dict=state_dict, constants=consts,
+                      in_spec=info.in_spec, out_spec=tree_flatten(kept_vals[-1].meta["val"])[1],
+                      forward_arg_names=info.forward_arg_names)
     # torch.export.save keeps node.meta["custom"] of computed nodes only
     meta = {"output_roles": [list(r) for r in kept_roles], "buffer_names": buffer_names,
             "placeholder_roles": {n.name: [roles.role_of(n), roles.target_of(n)]
@@ -710,7 +617,7 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
                          "program to change the settings")
     if getattr(ep.graph_signature, "backward_signature", None) is None:
         ep = joint_program(ep, source)
-    gm, info = build_step(ep, optimizer, config, source)
+    gm, info = joint_to_step_graph(ep, optimizer, config, source)
     gm = apply_dls(gm, config, precision_mode=precision_mode)
     if rounding == "aten":
         from dlspass.formats import decompose_rounding
@@ -719,7 +626,7 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
     out, roles_meta = package_step(gm, info)
     full = {"format": "dlspass-step", "version": FORMAT_VERSION, "kind": "step", **wanted,
             **roles_meta, "inputs": info.inputs,
-            "applied_passes": gm.graph.output_node().meta.get("custom", {}).get("dlspass_applied", [])}
+            "applied_passes": gm.graph.output_node().meta.get("custom", {}).get(roles.APPLIED_KEY, [])}
     return out, full
 
 
@@ -734,7 +641,7 @@ def step_graph(ep: torch.export.ExportedProgram, meta: dict[str, Any] | None) ->
             roles.set_role(node, *ph_roles[node.name])
     custom = gm.graph.output_node().meta.setdefault("custom", {})
     custom[roles.OUTPUTS_KEY] = [list(r) for r in meta["output_roles"]]
-    custom["dlspass_config"] = json.dumps(meta["config"], sort_keys=True)
-    custom["dlspass_precision_mode"] = meta.get("precision_mode")
-    custom["dlspass_applied"] = list(meta.get("applied_passes", []))
+    custom[roles.CONFIG_KEY] = json.dumps(meta["config"], sort_keys=True)
+    custom[roles.MODE_KEY] = meta.get("precision_mode")
+    custom[roles.APPLIED_KEY] = list(meta.get("applied_passes", []))
     return gm

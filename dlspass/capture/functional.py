@@ -23,7 +23,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from dlspass.config import DLSConfig
 from dlspass.errors import DLSInputError
 from dlspass.graph import roles
-from dlspass.graph.marks import mark, resolve_marks
+from dlspass.graph.marks import resolve_marks
+from dlspass.graph.step_io import StepIO, mark_backward, mark_grads, safe_name, tag_step_io
+from dlspass.passes.base import PassContractError
+from dlspass.passes.drop_copy_back_pass import DropCopyBackPass
 from dlspass.scale_policy import STATE_FIELDS, ScalerState, init_state
 
 # native_batch_norm mutates its running statistics without declaring it in its schema, so
@@ -60,6 +63,13 @@ class StepLayout:
     batch_consts: list[Any]  # non-tensor leaves of the batch, baked into the graph
     batch_is_tensor: list[bool]
     updated_params: list[str]
+
+    @property
+    def io(self) -> StepIO:
+        """The graph's input and output layout (batch tensors named ``batch.<i>``)."""
+        return StepIO(params=self.params, buffers=self.buffers, opt_state=self.opt_state,
+                      hyper=self.hyper, batch=[f"batch.{i}" for i in range(sum(self.batch_is_tensor))],
+                      updated_params=self.updated_params)
 
     @property
     def n_inputs(self) -> int:
@@ -130,19 +140,14 @@ def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
     )
     state0 = init_state(config or DLSConfig(loss_scale=None))
     wrapper = _LossModule(model, loss_fn)
-    n_p, n_b, n_o, n_s, n_h = (len(layout.params), len(layout.buffers), len(layout.opt_state),
-                               len(STATE_FIELDS), len(layout.hyper))
+    io = layout.io
 
     def flat_step(*flat: Tensor) -> tuple[Tensor, ...]:
-        it = iter(flat)
-        p_in = {k: next(it) for k in layout.params}
-        b_in = {k: next(it) for k in layout.buffers}
-        o_in = {k: next(it) for k in layout.opt_state}
-        s_in = ScalerState(*[next(it) for _ in range(n_s)])
-        h_in = {k: next(it) for k in layout.hyper}
-        consts = iter(layout.batch_consts)
+        p_in, b_in, o_in, s_list, h_in, batch_tensors = io.split(flat)
+        s_in = ScalerState(*s_list)
+        tensors, consts = iter(batch_tensors), iter(layout.batch_consts)
         batch = pytree.tree_unflatten(
-            [next(it) if t else next(consts) for t in layout.batch_is_tensor], layout.batch_spec)
+            [next(tensors) if t else next(consts) for t in layout.batch_is_tensor], layout.batch_spec)
         frozen = {k: v for k, v in p_in.items() if k not in trainable}
 
         def forward(p_train: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -157,10 +162,9 @@ def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
             raise CaptureError(
                 f"loss_fn must return a scalar floating-point tensor, got "
                 f"{type(loss).__name__ if not isinstance(loss, Tensor) else f'{loss.dtype} of shape {tuple(loss.shape)}'}")
-        loss = mark(loss, roles.LOSS)
-        seed = mark(torch.ones_like(loss), roles.SEED)
+        loss, seed = mark_backward(loss)
         (grads,) = vjp_fn(seed)
-        grads = {k: mark(g, roles.GRAD, k) for k, g in grads.items() if k in in_opt and k not in unused}
+        grads = mark_grads({k: g for k, g in grads.items() if k in in_opt and k not in unused})
         new_p, new_o = fopt.update({k: p_in[k] for k in updated}, grads, o_in, h_in)
         return (*[new_p[k] for k in updated], *[new_b[k] for k in layout.buffers],
                 *[new_o[k] for k in layout.opt_state], *s_in, loss)
@@ -180,56 +184,13 @@ def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
                 "the step uses Python control flow on tensor values (e.g. `if loss > 0:`), which "
                 f"one graph cannot capture; use torch.where instead ({type(e).__name__}: {msg})") from e
         raise CaptureError(f"could not trace the training step: {type(e).__name__}: {msg}") from e
-    _drop_copy_back(gm)
+    try:
+        DropCopyBackPass()(gm)
+    except PassContractError as e:  # a copy functionalize could not remove: the user's step
+        raise CaptureError(str(e)) from e
     resolve_marks(gm)
-    _tag_io(gm, layout, n_p, n_b, n_o, n_s, n_h)
+    tag_step_io(gm, io, name=lambda role, target: safe_name(f"{role}__{target}"))
     return gm, layout, fopt
-
-
-def _drop_copy_back(gm: fx.GraphModule) -> None:
-    """Replace the trailing ``copy_(clone, new)`` that functionalize leaves for the buffers
-    cloned inside the vjp by ``new`` itself, so the graph is free of mutation."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
-            continue
-        dst, src = node.args[:2]
-        dv, sv = dst.meta.get("val"), src.meta.get("val")
-        if dv is None or sv is None or dv.shape != sv.shape or dv.dtype != sv.dtype:
-            raise CaptureError(f"cannot functionalize the in-place copy {node.name}")
-        for user in list(dst.users):
-            if user is not node and order[user] > order[node]:
-                user.replace_input_with(dst, src)
-        node.replace_all_uses_with(src)
-        gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
-
-
-def _tag_io(gm: fx.GraphModule, layout: StepLayout, n_p: int, n_b: int, n_o: int, n_s: int,
-            n_h: int) -> None:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    tags = ([(roles.PARAM, k) for k in layout.params] + [(roles.BUFFER, k) for k in layout.buffers]
-            + [(roles.OPT_STATE, k) for k in layout.opt_state]
-            + [(roles.SCALER_STATE, k) for k in STATE_FIELDS]
-            + [(roles.HYPER, k) for k in layout.hyper])
-    tags += [(roles.INPUT, f"batch.{i}") for i in range(len(placeholders) - len(tags))]
-    for node, (role, target) in zip(placeholders, tags, strict=False):
-        roles.set_role(node, role, target)
-        node.name = node.target = _safe(f"{role}__{target}")
-    out_roles = ([(roles.PARAM_UPDATE, k) for k in layout.updated_params]
-                 + [(roles.BUFFER_UPDATE, k) for k in layout.buffers]
-                 + [(roles.OPT_STATE_UPDATE, k) for k in layout.opt_state]
-                 + [(roles.SCALER_STATE_UPDATE, k) for k in STATE_FIELDS] + [(roles.LOSS, None)])
-    roles.set_output_roles(gm.graph, out_roles)
-    for node, (role, target) in zip(roles.output_values(gm.graph), out_roles, strict=True):
-        if isinstance(node, fx.Node) and node.op != "placeholder" and roles.role_of(node) is None:
-            roles.set_role(node, role, target)
-    gm.graph.lint()
-    gm.recompile()
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name)
 
 
 class CapturedStep:

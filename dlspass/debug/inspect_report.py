@@ -181,7 +181,7 @@ def _summarize_onnx(path: Path) -> dict[str, Any]:
 
     model = load_onnx(path)
     meta = onnx_meta(model) or {}
-    out_roles = json.loads(model.metadata_props.get("dlspass_roles", "{}"))
+    out_roles = json.loads(model.metadata_props.get(roles.ONNX_ROLES_KEY, "{}"))
     nodes, edges, hist = [], [], Counter()
     inserted: Counter[str] = Counter()
     producer: dict[str, str] = {}
@@ -192,7 +192,7 @@ def _summarize_onnx(path: Path) -> dict[str, Any]:
     for i, node in enumerate(model.graph):
         nid = node.name or f"{node.op_type}_{i}"
         hist[node.op_type] += 1
-        by = node.metadata_props.get("dlspass_pass")
+        by = node.metadata_props.get(roles.PASS_KEY)
         if by:
             inserted[by] += 1
         role = target = None

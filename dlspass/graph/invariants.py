@@ -27,8 +27,7 @@ from dlspass.config import DLSConfig
 from dlspass.errors import DLSPassError
 from dlspass.graph import roles
 
-CONFIG_KEY = "dlspass_config"
-GUARDED = {roles.PARAM_UPDATE: roles.PARAM, roles.OPT_STATE_UPDATE: roles.OPT_STATE}
+CONFIG_KEY, GUARDED = roles.CONFIG_KEY, roles.GUARDED_UPDATES
 
 
 class VerificationError(DLSPassError):

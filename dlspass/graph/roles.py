@@ -21,7 +21,7 @@ backward produced it, carries GRAD with the parameter's name as target.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch.fx as fx
 
@@ -56,6 +56,21 @@ SCALE_UPDATE = "scale_update"
 
 PLACEHOLDER_ROLES = (PARAM, BUFFER, OPT_STATE, SCALER_STATE, HYPER, INPUT)
 OUTPUT_ROLES = (PARAM_UPDATE, BUFFER_UPDATE, OPT_STATE_UPDATE, SCALER_STATE_UPDATE, LOSS)
+# each update output role -> the placeholder role it is the next value of, and back
+SOURCE_OF_UPDATE = {PARAM_UPDATE: PARAM, BUFFER_UPDATE: BUFFER, OPT_STATE_UPDATE: OPT_STATE,
+                    SCALER_STATE_UPDATE: SCALER_STATE}
+UPDATE_OF_SOURCE = {src: upd for upd, src in SOURCE_OF_UPDATE.items()}
+# BatchNorm statistics (BUFFER_UPDATE) advance on a skipped step and the scaler state is the
+# update pass's business: only parameters and optimizer state are rolled back on overflow.
+GUARDED_UPDATES = {PARAM_UPDATE: PARAM, OPT_STATE_UPDATE: OPT_STATE}
+
+# metadata keys beside the node roles: on the output node (and the seed, whose meta survives
+# torch.export) ``apply_dls`` records its config, precision mode and applied passes; ONNX
+# models carry the roles of their values as JSON in ``metadata_props[ONNX_ROLES_KEY]``
+CONFIG_KEY = "dlspass_config"
+MODE_KEY = "dlspass_precision_mode"
+APPLIED_KEY = "dlspass_applied"
+ONNX_ROLES_KEY = "dlspass_roles"
 
 
 def set_role(node: fx.Node, role: str, target: str | None = None, by_pass: str | None = None) -> fx.Node:
@@ -127,14 +142,6 @@ def output_values(graph: fx.Graph) -> list[fx.Node]:
     if isinstance(vals, fx.Node):
         return [vals]
     return list(vals)
-
-
-def iter_outputs_with_role(graph: fx.Graph, role: str) -> Iterator[tuple[int, str | None, fx.Node]]:
-    """``(position, target, value)`` of every output with ``role``."""
-    vals = output_values(graph)
-    for i, (r, t) in enumerate(output_roles(graph)):
-        if r == role:
-            yield i, t, vals[i]
 
 
 def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:

@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from dlspass.capture.exported import META_FILE, InputError, quiet_torch, write_atomic
+from dlspass.capture.program import flat_tuple_spec, make_program, user_outputs
 from dlspass.files.file_meta import check_onnx_meta
 from dlspass.graph import roles
 
@@ -78,37 +79,32 @@ def _bool_where_to_logic(gm: fx.GraphModule) -> int:
 
 def _relabelled(step: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """A copy of ``step`` whose outputs are all USER_OUTPUT with a flat-tuple out_spec."""
-    from torch.export import ExportedProgram
-    from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
-    from torch.export.graph_signature import (
-        ExportGraphSignature,
-        OutputKind,
-        OutputSpec,
-        TensorArgument,
-    )
-    from torch.utils._pytree import tree_flatten
-
-    gm = copy.deepcopy(step.graph_module)
     from dlspass.formats import decompose_rounding
 
+    gm = copy.deepcopy(step.graph_module)
     constants = sum(n.op == "get_attr" for n in gm.graph.nodes)
     decompose_rounding(gm, form="arith")
     if sum(n.op == "get_attr" for n in gm.graph.nodes) != constants:
         raise RuntimeError("round_arith traced a tensor constant; cannot splice it into the program")
     _bool_where_to_logic(gm)
-    sig = step.graph_signature
     # by the output node's values: the rewrites above may have replaced an output node
-    outs = [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(v.name), None)
-            for v in roles.output_values(gm.graph)]
-    new_sig = ExportGraphSignature(input_specs=list(sig.input_specs), output_specs=outs)
+    outs = user_outputs(gm.graph)
     old = step.module_call_graph[0].signature
-    out_spec = tree_flatten(tuple(range(len(outs))))[1]
-    call = ModuleCallSignature(inputs=[], outputs=[], in_spec=old.in_spec, out_spec=out_spec,
-                               forward_arg_names=old.forward_arg_names)
-    return ExportedProgram(
-        root=gm, graph=gm.graph, graph_signature=new_sig, state_dict=dict(step.state_dict),
-        range_constraints={}, module_call_graph=[ModuleCallEntry(fqn="", signature=call)],
-        example_inputs=None, constants=dict(step.constants))
+    return make_program(gm, step.graph_signature.input_specs, outs, state_dict=dict(step.state_dict),
+                        constants=dict(step.constants), in_spec=old.in_spec,
+                        out_spec=flat_tuple_spec(len(outs)), forward_arg_names=old.forward_arg_names)
+
+
+def _promote_initializers(graph: Any) -> list[str]:
+    """Make every initializer of the ``onnx_ir`` graph that is not an input yet a graph input
+    (in front of the user inputs, in initializer order), so a caller feeds the state in;
+    returns their names."""
+    state: list[str] = []
+    for name, init in list(graph.initializers.items()):
+        if init not in graph.inputs:
+            graph.inputs.insert(len(state), init)
+            state.append(name)
+    return state
 
 
 def step_to_onnx(step: torch.export.ExportedProgram, meta: dict[str, Any]) -> Any:
@@ -126,11 +122,7 @@ def step_to_onnx(step: torch.export.ExportedProgram, meta: dict[str, Any]) -> An
     if len(graph.outputs) != len(kinds):
         raise RuntimeError(f"the ONNX exporter produced {len(graph.outputs)} outputs for "
                            f"{len(kinds)} step outputs")
-    state_names = []
-    for name, init in list(graph.initializers.items()):
-        if init not in graph.inputs:
-            graph.inputs.insert(len(state_names), init)
-            state_names.append(name)
+    state_names = _promote_initializers(graph)
     for value, (kind, target) in zip(graph.outputs, kinds, strict=True):
         value.name = "loss" if kind == OutputKind.LOSS_OUTPUT else f"{target}.new"
     onnx_meta = dict(meta)
@@ -138,7 +130,7 @@ def step_to_onnx(step: torch.export.ExportedProgram, meta: dict[str, Any]) -> An
     onnx_meta["user_inputs"] = [v.name for v in graph.inputs if v.name not in set(state_names)]
     onnx_meta["outputs"] = [v.name for v in graph.outputs]
     model.metadata_props[META_FILE] = json.dumps(onnx_meta, sort_keys=True)
-    model.metadata_props["dlspass_roles"] = json.dumps(
+    model.metadata_props[roles.ONNX_ROLES_KEY] = json.dumps(
         {v.name: list(r) for v, r in zip(graph.outputs, meta["output_roles"], strict=True)})
     return model
 
@@ -283,7 +275,7 @@ def onnx_meta(model: Any) -> dict[str, Any] | None:
 
 def gradient_outputs(model: Any) -> list[str]:
     """Names of outputs tagged as gradients (``metadata_props`` roles or a ``grad`` name)."""
-    tagged = json.loads(model.metadata_props.get("dlspass_roles", "{}"))
+    tagged = json.loads(model.metadata_props.get(roles.ONNX_ROLES_KEY, "{}"))
     found = [name for name, (role, _t) in tagged.items() if role == roles.GRAD]
     found += [v.name for v in model.graph.outputs
               if v.name not in found and ("grad" in v.name.lower())]
@@ -298,60 +290,32 @@ SEED_INPUT = "loss_seed"
 def joint_to_onnx(joint: torch.export.ExportedProgram) -> Any:
     """The joint program as ONNX: outputs ``loss`` and ``grad.<param>``, the backward seed as
     the scalar input ``loss_seed`` (feed 1.0), parameters as overridable inputs."""
-    from torch.export import ExportedProgram
-    from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
-    from torch.export.graph_signature import (
-        ExportGraphSignature,
-        InputKind,
-        InputSpec,
-        OutputKind,
-        OutputSpec,
-        TensorArgument,
-    )
+    from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
     from torch.utils._pytree import tree_flatten
 
     from dlspass.capture.exported import _joint
+    from dlspass.passes.lift_seed_pass import LiftSeedPass
 
     j = _joint(joint, "joint program")
     gm = j.gm
-    from dlspass.graph.marks import MARK_OP
-
-    mark = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is MARK_OP)
-    seed = mark.args[0]
-    last_ph = gm.graph.find_nodes(op="placeholder")[-1]
-    with gm.graph.inserting_after(last_ph):
-        ph = gm.graph.placeholder(SEED_INPUT)
-    ph.meta["val"] = seed.meta["val"]
-    mark.replace_all_uses_with(ph)
-    gm.graph.erase_node(mark)
-    gm.graph.erase_node(seed)
-    gm.graph.lint()
-    gm.recompile()
-    sig = joint.graph_signature
-    in_specs = [*sig.input_specs, InputSpec(InputKind.USER_INPUT, TensorArgument(SEED_INPUT), None)]
-    outs = [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(v.name), None)
-            for v in roles.output_values(gm.graph)]
+    LiftSeedPass(SEED_INPUT)(gm)
+    in_specs = [*joint.graph_signature.input_specs,
+                InputSpec(InputKind.USER_INPUT, TensorArgument(SEED_INPUT), None)]
+    outs = user_outputs(gm.graph)
     n_user = len(j.inputs) + 1
     old = joint.module_call_graph[0].signature
-    call = ModuleCallSignature(inputs=[], outputs=[], in_spec=tree_flatten((tuple(range(n_user)), {}))[1],
-                               out_spec=tree_flatten(tuple(range(len(outs))))[1],
-                               forward_arg_names=[*(old.forward_arg_names or j.inputs), SEED_INPUT])
-    prog = ExportedProgram(
-        root=gm, graph=gm.graph, graph_signature=ExportGraphSignature(in_specs, outs),
-        state_dict=dict(joint.state_dict), range_constraints={},
-        module_call_graph=[ModuleCallEntry(fqn="", signature=call)], example_inputs=None,
-        constants=dict(joint.constants))
+    prog = make_program(gm, in_specs, outs, state_dict=dict(joint.state_dict),
+                        constants=dict(joint.constants),
+                        in_spec=tree_flatten((tuple(range(n_user)), {}))[1],
+                        out_spec=flat_tuple_spec(len(outs)),
+                        forward_arg_names=[*(old.forward_arg_names or j.inputs), SEED_INPUT])
     example = [torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype)
                for n in gm.graph.find_nodes(op="placeholder") if n.name in (*j.inputs, SEED_INPUT)]
     with quiet_torch():
         model = torch.onnx.export(prog, tuple(example), dynamo=True, verbose=False, optimize=False,
                                   verify=False).model
     graph = model.graph
-    state = []
-    for name, init in list(graph.initializers.items()):
-        if init not in graph.inputs:
-            graph.inputs.insert(len(state), init)
-            state.append(name)
+    state = _promote_initializers(graph)
     role_map: dict[str, list[Any]] = {SEED_INPUT: [roles.SEED, None]}
     for value, (kind, target) in zip(graph.outputs, j.out_kinds, strict=True):
         value.name = {"loss": "loss", "grad": f"grad.{target}", "buffer": f"{target}.new"}.get(
@@ -361,7 +325,7 @@ def joint_to_onnx(joint: torch.export.ExportedProgram) -> Any:
     model.metadata_props[META_FILE] = json.dumps(
         {"format": "dlspass-joint", "kind": "joint", "state_inputs": state,
          "user_inputs": [*j.inputs, SEED_INPUT]}, sort_keys=True)
-    model.metadata_props["dlspass_roles"] = json.dumps(role_map, sort_keys=True)
+    model.metadata_props[roles.ONNX_ROLES_KEY] = json.dumps(role_map, sort_keys=True)
     return model
 
 

@@ -1,8 +1,9 @@
-"""A hand-written captured training step (model + SGD with momentum) following dlspass.graph.roles.
+"""A captured training step (model + SGD with momentum) for the pass tests, laid out by
+``dlspass.graph.step_io`` exactly as ``dlspass.capture`` lays out its steps.
 
-Used by the pass tests and the pass-time benchmark until ``dlspass.capture`` can be relied on:
-``make_fx`` over ``torch.func.vjp`` with the loss, seed and gradients marked, placeholders and
-outputs tagged exactly as the capture contract says.
+The optimizer is the plain ``sgd_momentum`` below rather than torch.optim's functional twin
+(which adds a ``momentum_initialized`` flag per parameter): ``reference_step`` recomputes the
+same update eagerly, so the pass tests compare the rewritten graph with an independent oracle.
 """
 
 from __future__ import annotations
@@ -18,24 +19,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from dlspass.config import DLSConfig
 from dlspass.graph import roles
-from dlspass.graph.marks import mark, resolve_marks
+from dlspass.graph.marks import resolve_marks
+from dlspass.graph.step_io import StepIO, mark_backward, mark_grads, tag_step_io
 from dlspass.models import MLP, SmallCNN, TinyGPT, ce_loss, gpt_loss, mse_loss
 from dlspass.scale_policy import STATE_FIELDS, ScalerState, init_state
-
-try:  # the real rounding op; a float16/bfloat16 stand-in if dlspass.formats cannot load
-    import dlspass.formats  # noqa: F401
-except ImportError:
-    pass
-if not hasattr(torch.ops.dlspass, "round_to_format"):
-    _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-    @torch.library.custom_op("dlspass::round_to_format", mutates_args=())
-    def _round(x: Tensor, fmt: str, saturate: bool, flush_to_zero: bool) -> Tensor:
-        return x.to(_DT[fmt]).to(x.dtype)
-
-    @_round.register_fake
-    def _(x: Tensor, fmt: str, saturate: bool, flush_to_zero: bool) -> Tensor:
-        return torch.empty_like(x)
 
 
 @dataclass
@@ -76,15 +63,11 @@ def trace_step(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
     opt_state = {f"{k}.momentum_buffer": torch.zeros_like(v) for k, v in params.items()}
     hyper = {"group0.lr": torch.tensor(lr)}
     state = init_state(config or DLSConfig(loss_scale=None))
-    names_p, names_b, names_o = list(params), list(buffers), list(opt_state)
-    n_p, n_b, n_o, n_s = len(names_p), len(names_b), len(names_o), len(STATE_FIELDS)
+    io = StepIO(params=list(params), buffers=list(buffers), opt_state=list(opt_state),
+                hyper=list(hyper), batch=[f"batch.{i}" for i in range(len(batch))])
 
     def flat_step(*flat: Tensor) -> tuple[Tensor, ...]:
-        p_in = dict(zip(names_p, flat[:n_p], strict=True))
-        b_in = dict(zip(names_b, flat[n_p:n_p + n_b], strict=True))
-        o_in = dict(zip(names_o, flat[n_p + n_b:n_p + n_b + n_o], strict=True))
-        rest = flat[n_p + n_b + n_o:]
-        s_in, lr_t, xs = rest[:n_s], rest[n_s], rest[n_s + 1:]
+        p_in, b_in, o_in, s_in, h_in, xs = io.split(flat)
 
         def forward(p: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
             b = {k: v.clone() for k, v in b_in.items()}
@@ -92,35 +75,21 @@ def trace_step(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
             return loss, b
 
         loss, vjp_fn, new_b = torch.func.vjp(forward, p_in, has_aux=True)
-        loss = mark(loss, roles.LOSS)
-        seed = mark(torch.ones_like(loss), roles.SEED)
+        loss, seed = mark_backward(loss)
         (grads,) = vjp_fn(seed)
-        grads = {k: mark(g, roles.GRAD, k) for k, g in grads.items()}
+        grads = mark_grads(grads)
         new_p, new_o = {}, {}
-        for k in names_p:
+        for k in io.params:
             new_p[k], new_o[f"{k}.momentum_buffer"] = sgd_momentum(
-                p_in[k], grads[k], o_in[f"{k}.momentum_buffer"], lr_t)
-        return (*new_p.values(), *[new_b[k] for k in names_b], *new_o.values(), *s_in, loss)
+                p_in[k], grads[k], o_in[f"{k}.momentum_buffer"], h_in["group0.lr"])
+        return (*new_p.values(), *new_b.values(), *new_o.values(), *s_in, loss)
 
     flat_in = [*params.values(), *buffers.values(), *opt_state.values(), *state,
                *hyper.values(), *batch]
     gm = make_fx(torch.func.functionalize(flat_step, remove="mutations_and_views"),
                  tracing_mode="fake")(*flat_in)
     resolve_marks(gm)
-    tags = ([(roles.PARAM, k) for k in names_p] + [(roles.BUFFER, k) for k in names_b]
-            + [(roles.OPT_STATE, k) for k in names_o] + [(roles.SCALER_STATE, k) for k in STATE_FIELDS]
-            + [(roles.HYPER, "group0.lr")] + [(roles.INPUT, f"batch.{i}") for i in range(len(batch))])
-    for node, (role, target) in zip(gm.graph.find_nodes(op="placeholder"), tags, strict=True):
-        roles.set_role(node, role, target)
-    out_roles = ([(roles.PARAM_UPDATE, k) for k in names_p] + [(roles.BUFFER_UPDATE, k) for k in names_b]
-                 + [(roles.OPT_STATE_UPDATE, k) for k in names_o]
-                 + [(roles.SCALER_STATE_UPDATE, k) for k in STATE_FIELDS] + [(roles.LOSS, None)])
-    roles.set_output_roles(gm.graph, out_roles)
-    for node, (role, target) in zip(roles.output_values(gm.graph), out_roles, strict=True):
-        if node.op != "placeholder" and roles.role_of(node) is None:
-            roles.set_role(node, role, target)
-    gm.graph.lint()
-    gm.recompile()
+    tag_step_io(gm, io)
     return Step(gm, params, buffers, opt_state, state, hyper, list(batch), model, loss_fn)
 
 
@@ -226,3 +195,30 @@ def eager_grads(step: Step, **override: Any) -> dict[str, Tensor]:
     b = {k: v.clone() for k, v in step.buffers.items()}
     loss = loss_fn(_Bound(model, {**p, **b}), tuple(batch))
     return dict(zip(p, torch.autograd.grad(loss, list(p.values())), strict=True))
+
+
+class _LinearMSE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return torch.nn.functional.mse_loss(self.fc(x), y)
+
+
+def linear_joint() -> tuple[nn.Module, tuple[Tensor, Tensor], torch.export.ExportedProgram]:
+    """A Linear + MSE model, its batch and its joint forward-backward program (torch.export):
+    placeholders ``fc.weight``, ``fc.bias``, ``x``, ``y``; outputs loss and the two gradients."""
+    from dlspass.capture.exported import joint_program
+
+    torch.manual_seed(0)
+    model, batch = _LinearMSE(), (torch.randn(4, 3), torch.randn(4, 2))
+    return model, batch, joint_program(torch.export.export(model, batch), "linear_mse")
+
+
+def eager_model_grads(model: nn.Module, batch: tuple[Tensor, ...], seed: float = 1.0
+                      ) -> tuple[Tensor, list[Tensor]]:
+    """The loss of ``model(*batch)`` and its parameter gradients by autograd, seeded with ``seed``."""
+    params = list(model.parameters())
+    loss = model(*batch)
+    return loss.detach(), list(torch.autograd.grad(loss, params, torch.full_like(loss, seed)))

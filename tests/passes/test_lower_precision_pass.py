@@ -8,6 +8,7 @@ import pytest
 import torch
 from stepgraph import cnn_step, gpt_step, mlp_step, run, trace_step
 
+import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format (ROUND below)
 from dlspass.config import DLSConfig
 from dlspass.graph import roles
 from dlspass.models import MLP, mse_loss

@@ -109,13 +109,13 @@ class _ConvBNLinear(torch.nn.Module):
 
 
 def _exported_step(cfg: DLSConfig):
-    from dlspass.capture.exported import OptimizerSpec, build_step, joint_program
+    from dlspass.capture.exported import OptimizerSpec, joint_program, joint_to_step_graph
 
     torch.manual_seed(0)
     model = _ConvBNLinear()
     batch = (torch.randn(4, 2, 4, 4), torch.randn(4, 2))
     joint = joint_program(torch.export.export(model, batch), "conv_bn_linear")
-    gm, info = build_step(joint, OptimizerSpec(kind="sgd", lr=0.1), cfg, "conv_bn_linear")
+    gm, info = joint_to_step_graph(joint, OptimizerSpec(kind="sgd", lr=0.1), cfg, "conv_bn_linear")
     inputs = [*info.params.values(), *info.buffers.values(), *info.opt_state.values(),
               *info.scaler.values(), *info.hyper.values(), *batch]
     return model, batch, gm, inputs

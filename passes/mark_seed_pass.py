@@ -1,0 +1,43 @@
+"""MarkSeedPass: the joint graph's backward seed ``full_like(loss, 1)`` is read through ``dlspass::mark(seed, "backward_seed")``."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from dlspass.graph import roles
+from dlspass.graph.marks import MARK_OP
+from dlspass.passes.base import PassContractError
+
+_SEED_OPS = (torch.ops.aten.full_like.default, torch.ops.aten.ones_like.default)
+
+
+def joint_seeds(graph: fx.Graph, loss_name: str) -> list[fx.Node]:
+    """The ``full_like``/``ones_like`` nodes of the loss named ``loss_name`` (one in a joint
+    graph from ``torch.export``: the backward seed)."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in _SEED_OPS
+            and n.args and getattr(n.args[0], "name", None) == loss_name]
+
+
+class MarkSeedPass(PassBase):
+    """Mark the seed of a joint forward-backward graph, so that tracing the graph into a step
+    (``make_fx`` + ``resolve_marks``) gives it the SEED role: torch.export's joint graph makes
+    the seed a constant-like node nothing else names.
+    """
+
+    def __init__(self, loss_name: str) -> None:
+        self.loss_name = loss_name
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        graph = gm.graph
+        seeds = joint_seeds(graph, self.loss_name)
+        if len(seeds) != 1:
+            raise PassContractError(f"cannot find the backward seed full_like({self.loss_name}, 1) "
+                                    f"(found {len(seeds)})")
+        seed = seeds[0]
+        with graph.inserting_after(seed):
+            marked = graph.call_function(MARK_OP, (seed, roles.SEED, ""))
+        seed.replace_all_uses_with(marked, delete_user_cb=lambda u: u is not marked)
+        gm.recompile()
+        return PassResult(gm, True)

@@ -1,0 +1,31 @@
+"""MergePlaceholdersPass: each placeholder named in ``merge`` is erased and its uses read the placeholder it maps to."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from dlspass.passes.base import PassContractError
+
+
+class MergePlaceholdersPass(PassBase):
+    """Merge graph inputs that hold one tensor: ``merge`` maps a placeholder's name to the
+    name of the placeholder that replaces it (tied parameters of an exported program, which
+    torch.export lists once per name, become one input with every use)."""
+
+    def __init__(self, merge: dict[str, str]) -> None:
+        self.merge = dict(merge)
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        graph = gm.graph
+        placeholders = {n.name: n for n in graph.find_nodes(op="placeholder")}
+        missing = sorted({*self.merge, *self.merge.values()} - set(placeholders))
+        if missing:
+            raise PassContractError(f"merge_placeholders: no placeholder named {missing}")
+        for name, keep in self.merge.items():
+            node = placeholders[name]
+            node.replace_all_uses_with(placeholders[keep])
+            graph.erase_node(node)
+        graph.lint()
+        gm.recompile()
+        return PassResult(gm, bool(self.merge))

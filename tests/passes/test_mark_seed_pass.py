@@ -1,0 +1,38 @@
+"""MarkSeedPass: the joint graph's seed is read through one marker; the graph computes autograd's values."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from stepgraph import eager_model_grads, linear_joint
+
+from dlspass.graph import roles
+from dlspass.graph.marks import MARK_OP
+from dlspass.passes.base import PassContractError
+from dlspass.passes.mark_seed_pass import MarkSeedPass, joint_seeds
+
+
+def test_the_seed_is_marked_and_the_gradients_stay_autograds() -> None:
+    model, batch, joint = linear_joint()
+    loss_name = joint.graph_signature.backward_signature.loss_output
+    gm = copy.deepcopy(joint.graph_module)
+    (seed,) = joint_seeds(gm.graph, loss_name)
+    readers = set(seed.users)
+
+    assert MarkSeedPass(loss_name)(gm).modified
+    (mark,) = [n for n in gm.graph.nodes if n.target is MARK_OP]
+    assert mark.args == (seed, roles.SEED, "") and set(seed.users) == {mark}
+    assert set(mark.users) == readers
+    loss, *grads = gm(*(p.detach() for p in model.parameters()), *batch)
+    want_loss, want_grads = eager_model_grads(model, batch)
+    torch.testing.assert_close(loss, want_loss)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_no_seed_is_a_contract_error() -> None:
+    _, _, joint = linear_joint()
+    with pytest.raises(PassContractError, match=r"full_like\(no_such_loss, 1\) \(found 0\)"):
+        MarkSeedPass("no_such_loss")(copy.deepcopy(joint.graph_module))
