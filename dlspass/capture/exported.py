@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from dlspass.capture.optim import SUPPORTED_OPTIMIZERS
 from dlspass.capture.program import make_program
 from dlspass.config import DLSConfig
 from dlspass.errors import DLSInputError
@@ -61,7 +62,7 @@ from dlspass.passes.merge_placeholders_pass import MergePlaceholdersPass
 
 META_FILE = "dlspass.json"
 FORMAT_VERSION = 1
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = tuple(name.lower() for name in SUPPORTED_OPTIMIZERS)  # the CLI's spelling
 
 
 class InputError(DLSInputError, ValueError):
