@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 
-import onnx
 import onnx_ir as ir
 import torch
 
 from dlspass.capture.exported import META_FILE, InputError, quiet_torch
 from dlspass.config import DLSConfig
 from dlspass.graph import roles
-from dlspass.onnx.files import check_onnx, default_opset
+from dlspass.onnx.files import default_opset
 from dlspass.scale_policy import STATE_FIELDS, init_state
 
 TAIL_PREFIX = "dlspass_tail/"
@@ -107,32 +106,17 @@ def _export_tail(config: DLSConfig, grads: list[ir.Value], opset: int, source: s
 def _graft(model: ir.Model, tail: ir.Model, seed: ir.Value, grads: list[ir.Value]) -> None:
     """Move the tail's nodes, constants and state inputs into ``model``, reading ``grads``."""
     g, tg = model.graph, tail.graph
-    # the tail's own names cannot clash with the model's: prefix them all
-    for v in (*tg.inputs, *tg.initializers.values(), *(o for n in tg for o in n.outputs)):
-        if v.name:
-            v.name = TAIL_PREFIX + v.name
-    for n in tg:
-        n.name = TAIL_PREFIX + (n.name or "")
+    _prefix_names(tg, TAIL_PREFIX)
     grad_ins, state_ins, outs = list(tg.inputs[:len(grads)]), list(tg.inputs[len(grads):]), list(tg.outputs)
-    out_names = ([f"{v.name}.unscaled" for v in grads] + [ISFINITE] + [f"{n}.new" for n in STATE_INPUTS])
     nodes, consts = list(tg), list(tg.initializers.values())
     tg.inputs.clear()
     tg.outputs.clear()
     tg.initializers.clear()
     tg.remove(nodes)
-    for v, name in zip(outs, out_names, strict=True):
+    out_names = [f"{v.name}.unscaled" for v in grads] + [ISFINITE] + [f"{n}.new" for n in STATE_INPUTS]
+    for v, name in (*zip(outs, out_names, strict=True), *zip(state_ins, STATE_INPUTS, strict=True)):
         v.name = name
-    for v, name in zip(state_ins, STATE_INPUTS, strict=True):
-        v.name = name
-    # the seed's readers read the scaled seed; the Mul itself reads the seed
-    scaled = ir.Value(name=SCALED_SEED)
-    ir.convenience.replace_all_uses_with(seed, scaled)
-    mul = ir.Node("", "Mul", [seed, state_ins[0]], outputs=[scaled], name="dlspass_scale_seed")
-    first = next(iter(g), None)
-    if first is None:
-        g.append(mul)
-    else:
-        g.insert_before(first, mul)
+    _scale_seed(g, seed, state_ins[0])
     ir.convenience.replace_all_uses_with(grad_ins, grads)
     g.extend(nodes)
     for c in consts:
@@ -147,6 +131,27 @@ def _graft(model: ir.Model, tail: ir.Model, seed: ir.Value, grads: list[ir.Value
         model.opset_imports.setdefault(domain, version)
 
 
+def _prefix_names(graph: ir.Graph, prefix: str) -> None:
+    """Prefix every value and node name of ``graph``, so that none can clash with the model's."""
+    for v in (*graph.inputs, *graph.initializers.values(), *(o for n in graph for o in n.outputs)):
+        if v.name:
+            v.name = prefix + v.name
+    for n in graph:
+        n.name = prefix + (n.name or "")
+
+
+def _scale_seed(graph: ir.Graph, seed: ir.Value, scale: ir.Value) -> None:
+    """Every reader of ``seed`` reads ``Mul(seed, scale)`` instead (the first node of the graph)."""
+    scaled = ir.Value(name=SCALED_SEED)
+    ir.convenience.replace_all_uses_with(seed, scaled)
+    mul = ir.Node("", "Mul", [seed, scale], outputs=[scaled], name="dlspass_scale_seed")
+    first = next(iter(graph), None)
+    if first is None:
+        graph.append(mul)
+    else:
+        graph.insert_before(first, mul)
+
+
 def _record(model: ir.Model, config: DLSConfig, grad_names: list[str]) -> None:
     """Roles of the new outputs and the ``onnx_dls`` record in the model's metadata."""
     props = model.metadata_props
@@ -159,18 +164,3 @@ def _record(model: ir.Model, config: DLSConfig, grad_names: list[str]) -> None:
     tagged.update({f"{n}.new": [roles.SCALER_STATE_UPDATE, f] for n, f in zip(STATE_INPUTS, STATE_FIELDS, strict=True)})
     props[META_FILE] = json.dumps(meta, sort_keys=True)
     props["dlspass_roles"] = json.dumps(tagged, sort_keys=True)
-
-
-def insert_dls_onnx(model: ir.Model | onnx.ModelProto, config: DLSConfig,
-                    source: str = "model") -> ir.Model | onnx.ModelProto:
-    """``InsertDLSOnnxPass(config)`` on ``model``, edited in place (an ``onnx.ModelProto`` is
-    rewritten through onnx_ir) and checked with ``onnx.checker``; returns ``model``."""
-    if isinstance(model, onnx.ModelProto):
-        ir_model = ir.serde.deserialize_model(model)
-        InsertDLSOnnxPass(config, source)(ir_model)
-        model.CopyFrom(ir.serde.serialize_model(ir_model))
-        check_onnx(model, source)
-        return model
-    InsertDLSOnnxPass(config, source)(model)
-    check_onnx(ir.serde.serialize_model(model), source)
-    return model

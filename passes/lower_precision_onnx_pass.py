@@ -304,10 +304,8 @@ def _record(model: ir.Model, fmt: str, rounded: list[str], targets: list[ir.Node
 def lower_precision_onnx(model: ir.Model | onnx.ModelProto, fmt: str, source: str = "model") -> int:
     """``LowerPrecisionOnnxPass(fmt)`` on ``model``, edited in place (an ``onnx.ModelProto`` is
     rewritten through onnx_ir); returns the number of values rounded."""
-    if isinstance(model, onnx.ModelProto):
-        ir_model = ir.serde.deserialize_model(model)
-        lower_precision_onnx(ir_model, fmt, source)
+    ir_model = ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
+    LowerPrecisionOnnxPass(fmt, source)(ir_model)
+    if ir_model is not model:
         model.CopyFrom(ir.serde.serialize_model(ir_model))
-        return json.loads(ir_model.metadata_props[META_FILE])["precision"]["rounded_values"]
-    LowerPrecisionOnnxPass(fmt, source)(model)
-    return json.loads(model.metadata_props[META_FILE])["precision"]["rounded_values"]
+    return json.loads(ir_model.metadata_props[META_FILE])["precision"]["rounded_values"]

@@ -45,7 +45,13 @@ import torch.fx as fx
 from dlspass.capture.exported import META_FILE, InputError, quiet_torch, write_atomic
 from dlspass.config import DLSConfig
 from dlspass.graph import roles
-from dlspass.onnx.files import check_onnx, gradient_outputs, load_onnx, onnx_meta
+from dlspass.onnx.files import (
+    check_onnx,
+    gradient_outputs,
+    inline_external_data,
+    load_onnx,
+    onnx_meta,
+)
 from dlspass.passes.expand_bool_where_pass import ExpandBoolWherePass
 from dlspass.passes.expose_seed_pass import ExposeSeedPass
 from dlspass.passes.insert_dls_onnx_pass import InsertDLSOnnxPass
@@ -240,7 +246,7 @@ def transform_onnx(src: Path, out: Path, config: DLSConfig) -> None:
     for p in passes:  # not ir.passes.Sequential: it would wrap our InputErrors in a PassError
         p(model)
     # the output is one self-contained file: external tensors (checked by load_onnx) move in
-    ir.external_data.load_to_model(model)
+    inline_external_data(model)
     proto = ir.serde.serialize_model(model)
     check_onnx(proto, str(src))
     write_atomic(out, lambda tmp: onnx.save(proto, tmp))

@@ -148,3 +148,20 @@ def check_onnx(proto: onnx.ModelProto, source: str) -> None:
 def default_opset(model: ir.Model) -> int:
     """The model's version of the default ONNX domain (18 when it imports none)."""
     return next((v for d, v in model.opset_imports.items() if d in ("", "ai.onnx")), 18)
+
+
+def inline_external_data(model: ir.Model) -> None:
+    """Read every external tensor of ``model`` into memory (initializers, and the tensor
+    attributes that ``ir.external_data.load_to_model`` leaves out), so that the model saves as
+    one self-contained file wherever it goes, as ``onnx.load`` + ``onnx.save`` would."""
+    ir.external_data.load_to_model(model)
+    graphs = [model.graph, *model.functions.values()]
+    for node in (n for g in graphs for n in ir.traversal.RecursiveGraphIterator(g)):
+        for attr in list(node.attributes.values()):
+            if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                (t,) = ir.external_data.convert_tensors_from_external([attr.value])
+                node.attributes[attr.name] = ir.AttrTensor(attr.name, t)
+            elif attr.type == ir.AttributeType.TENSORS \
+                    and any(isinstance(t, ir.ExternalTensor) for t in attr.value):
+                ts = ir.external_data.convert_tensors_from_external(list(attr.value))
+                node.attributes[attr.name] = ir.AttrTensors(attr.name, ts)
