@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dlspass.capture.exported import load_program
-from dlspass.onnx.convert import load_onnx, onnx_meta
+from dlspass.onnx.files import load_onnx, onnx_meta
 
 FLAGS = {
     "mlp": ("--no-mixed-precision", "--optimizer", "adam", "--lr", "0.01"),

@@ -24,7 +24,11 @@ from onnx import TensorProto, helper
 
 from dlspass.config import DLSConfig
 from dlspass.formats import get_format, round_to_format
-from dlspass.onnx.convert import CAST_ROLE_KEY, LOWERED_OPS, lower_precision_onnx
+from dlspass.passes.lower_precision_onnx_pass import (
+    CAST_ROLE_KEY,
+    LOWERED_OPS,
+    lower_precision_onnx,
+)
 from dlspass.scale_policy import STATE_FIELDS, init_state
 
 FORMATS = ("float16", "cbfloat16", "bfloat16")

@@ -177,7 +177,7 @@ def _summarize_pt2(path: Path) -> dict[str, Any]:
 
 
 def _summarize_onnx(path: Path) -> dict[str, Any]:
-    from dlspass.onnx.convert import load_onnx, onnx_meta
+    from dlspass.onnx.files import load_onnx, onnx_meta
 
     model = load_onnx(path)
     meta = onnx_meta(model) or {}
