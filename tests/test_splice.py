@@ -61,9 +61,25 @@ def test_constants_of_two_splices_do_not_collide() -> None:
     (a,) = splice(gm.graph, lambda s: s + torch.tensor([1.0, 2.0, 3.0]), [sin], role="r", by_pass="p")
     (b,) = splice(gm.graph, lambda s: s * torch.tensor([4.0, 5.0, 6.0]), [a], role="r", by_pass="p")
     set_output(gm, [b])
-    assert len({n.target for n in gm.graph.nodes if n.op == "get_attr"}) == 2
+    consts = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert len({n.target for n in consts}) == 2
+    assert consts[0].prev.op == "placeholder" and consts[0].next is consts[1]  # both at the top
     x = torch.randn(3)
     assert torch.equal(gm(x)[0], (torch.sin(x) + torch.tensor([1.0, 2.0, 3.0])) * torch.tensor([4.0, 5.0, 6.0]))
+
+
+def test_two_constants_of_one_helper_keep_their_order() -> None:
+    gm = host(lambda x: [torch.sin(x)], torch.randn(3))
+    (sin,) = computed(gm)
+    a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0, 6.0])
+    outs = splice(gm.graph, lambda s: (s + torch.tensor([1.0, 2.0, 3.0])) * torch.tensor([4.0, 5.0, 6.0]),
+                  [sin], role="r", by_pass="p")
+    set_output(gm, list(outs))
+    consts = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert [torch.equal(getattr(gm, n.target), t) for n, t in zip(consts, (a, b), strict=True)] == [True, True]
+    assert outs.inserted == [n for n in gm.graph.nodes if n in set(outs.inserted)]  # graph order
+    x = torch.randn(3)
+    assert torch.equal(gm(x)[0], (torch.sin(x) + a) * b)
 
 
 def test_output_roles_and_arguments_returned_as_they_are() -> None:

@@ -122,16 +122,18 @@ def graft(
     val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, args, strict=True))
     inserted: list[fx.Node] = []
     owner = graph.owning_module
+    top = None  # constants are read right after the placeholders, in their traced order
     for node in sub.graph.nodes:
         if node.op != "get_attr":
             continue
+        top = top or _first_non_placeholder(graph)
         # constants created inside the helper (e.g. torch.tensor) move onto the host module
         if owner is None:
             raise SpliceError(f"the traced graph reads constant {node.target!r} but the graph "
                               "has no module to hold it")
         name = _fresh_name(owner, f"{const_prefix}_{len(list(owner.named_buffers()))}_{node.target}")
         owner.register_buffer(name, getattr(sub, node.target), persistent=False)
-        with graph.inserting_before(_first_non_placeholder(graph)):
+        with graph.inserting_before(top):
             new = graph.get_attr(name)
         new.meta = dict(node.meta)
         val_map[node] = new
