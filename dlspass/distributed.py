@@ -24,11 +24,13 @@ Then ``norm = sqrt(local replicated squares + reduced sharded squares)`` (cerebr
 and from identical local values only, so every rank takes the same decision and keeps an
 identical scaler state. No host read: the collective is an ordinary in-place ``all_reduce``.
 
-**Captured step** (`capture_step_distributed`, or the two graph passes for the lead's
-``capture_step``): `insert_grad_allreduce` averages the gradients over the group with
-functional collectives inside the graph (one bucketed ``all_reduce`` per dtype, as DDP does),
-before DLS unscales them; `insert_flag_allreduce` adds one 4-byte ``all_reduce`` on the overflow
-flag after the DLS passes. Averaged gradients are bit-identical on every rank and inf/NaN
+**Captured step** (`capture_step_distributed`, or ``capture_step(..., process_group=)``, or
+the two graph passes on any role-tagged step graph): `insert_grad_allreduce`
+(`dlspass.passes.all_reduce_grads_pass.AllReduceGradsPass`) averages the gradients over the
+group with functional collectives inside the graph (one bucketed ``all_reduce`` per dtype, as
+DDP does), before DLS unscales them; `insert_flag_allreduce`
+(`dlspass.passes.all_reduce_flag_pass.AllReduceFlagPass`) adds one 4-byte ``all_reduce`` on the
+overflow flag after the DLS passes. Averaged gradients are bit-identical on every rank and inf/NaN
 propagate through the sum, so the flag all-reduce is insurance (``agree_flag=False`` drops it).
 
 **Checkpoints**: `dcp_state_dict` / `load_dcp_state_dict` put the scaler state in a
@@ -48,13 +50,31 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from dlspass.config import DLSConfig
-from dlspass.graph import roles
+from dlspass.errors import DLSInputError, DLSInternalError
+from dlspass.scale_policy import sum_squares
 
 LOCAL_GRAD = "local_grad"  # a rank's own gradient, before the in-graph all-reduce
 GRAD_ALLREDUCE = "grad_allreduce"
 FLAG_ALLREDUCE = "flag_allreduce"
 LOCAL = "local"  # target of the rank-local overflow flag once the global one exists
 PASS_NAME = "distributed"
+
+
+class DistributedSetupError(DLSInputError, RuntimeError):
+    """``torch.distributed`` is not set up as the call needs (e.g. not initialised)."""
+
+
+class GradientLayoutError(DLSInputError, ValueError):
+    """A gradient's distributed layout cannot be unscaled (e.g. a pending ``Partial`` reduction)."""
+
+
+class UnsupportedLayoutError(GradientLayoutError, NotImplementedError):
+    """A gradient layout dlspass does not support yet (sharding over a multi-dimensional mesh)."""
+
+
+class DistributedContractError(DLSInternalError, ValueError):
+    """A caller inside dlspass broke a contract of this module (mismatched lists, a graph pass
+    run on a graph it cannot take or twice)."""
 
 
 # ---- eager ---------------------------------------------------------------------------------------
@@ -66,7 +86,7 @@ def resolve_group(process_group: Any = None) -> Any:
     """
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
-            raise RuntimeError("process_group was given but torch.distributed is not initialised")
+            raise DistributedSetupError("process_group was given but torch.distributed is not initialised")
         return None
     group = process_group if process_group is not None else dist.group.WORLD
     if dist.get_world_size(group) <= 1:
@@ -97,18 +117,12 @@ def is_sharded(t: Tensor) -> bool:
         return False
     placements = t.placements  # type: ignore[attr-defined]
     if any(p.is_partial() for p in placements):
-        raise ValueError("dlspass: a gradient DTensor has a Partial placement (an unreduced "
-                         "gradient); reduce it before the scaler unscales it")
+        raise GradientLayoutError("dlspass: a gradient DTensor has a Partial placement (an "
+                                  "unreduced gradient); reduce it before the scaler unscales it")
     if t.device_mesh.ndim != 1 and any(p.is_shard() for p in placements):  # type: ignore[attr-defined]
-        raise NotImplementedError("dlspass: gradients sharded over a multi-dimensional device "
-                                  "mesh (HSDP) are not supported; use a 1-D FSDP2 mesh")
+        raise UnsupportedLayoutError("dlspass: gradients sharded over a multi-dimensional device "
+                                     "mesh (HSDP) are not supported; use a 1-D FSDP2 mesh")
     return any(p.is_shard() for p in placements)
-
-
-def _sum_squares(grads: Sequence[Tensor], device: torch.device) -> Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([torch.sum(g.float() * g.float()) for g in grads]).sum()
 
 
 def check_overflow_distributed(
@@ -127,7 +141,7 @@ def check_overflow_distributed(
     Every rank must call this (also with no gradients): it is a collective.
     """
     if len(unscaled) != len(sharded):
-        raise ValueError(f"{len(unscaled)} gradients but {len(sharded)} sharded flags")
+        raise DistributedContractError(f"{len(unscaled)} gradients but {len(sharded)} sharded flags")
     dev = torch.device(device) if device is not None else (
         unscaled[0].device if unscaled else torch.device("cpu"))
     need_norm = config.max_gradient_norm is not None or (
@@ -136,8 +150,8 @@ def check_overflow_distributed(
         return torch.ones((), dtype=torch.bool, device=dev), None
     rep = [g for g, s in zip(unscaled, sharded, strict=True) if not s]
     shd = [g for g, s in zip(unscaled, sharded, strict=True) if s]
-    rep_sq = _sum_squares(rep, dev)
-    shd_sq = _sum_squares(shd, dev)
+    rep_sq = sum_squares(rep, dev)
+    shd_sq = sum_squares(shd, dev)
     if not config.dynamic:
         bad = torch.zeros((), dtype=torch.float32, device=dev)
     elif config.overflow_check == "global_norm":
@@ -158,98 +172,31 @@ def check_overflow_distributed(
 
 
 # ---- captured step -------------------------------------------------------------------------------
-def _group_name(group: Any) -> str:
-    from torch.distributed._functional_collectives import _resolve_group_name
-
-    return _resolve_group_name(group if group is not None else dist.group.WORLD)
-
-
 def insert_grad_allreduce(gm: fx.GraphModule, group: Any = None, *,
                           average: bool = True) -> fx.GraphModule:
     """Average (or sum) every GRAD over ``group`` inside the graph, before the DLS passes.
 
-    Run it on the graph `dlspass.capture.functional.trace_step` returns, before ``apply_dls``.
-    The gradients of one dtype are flattened into one bucket and reduced with one functional
-    ``all_reduce`` (``torch.distributed._functional_collectives``) plus its ``wait_tensor``, then
-    divided by the world size and split back. The rank-local gradients are re-tagged
-    ``local_grad`` and the reduced ones carry the GRAD role and parameter name, so the DLS passes
-    unscale and check the reduced gradients. Returns ``gm``, changed in place.
+    Run it on the graph `dlspass.capture.functional.trace_step` returns, before ``apply_dls``;
+    it runs `AllReduceGradsPass` (one bucketed functional ``all_reduce`` per dtype, divided by
+    the world size; the reduced gradients carry the GRAD role, the rank-local ones are re-tagged
+    ``local_grad``). Returns ``gm``, changed in place.
     """
-    from torch.distributed import _functional_collectives as funcol
+    from dlspass.passes.all_reduce_grads_pass import AllReduceGradsPass
 
-    from dlspass.graph.splice import splice
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("insert_grad_allreduce: torch.distributed is not initialised")
-    group = group if group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
-    graph = gm.graph
-    found = roles.nodes_with_role(graph, roles.GRAD)
-    if not found:
-        raise ValueError("insert_grad_allreduce: the graph has no grad node (roles.GRAD)")
-    if any(roles.pass_of(n) == PASS_NAME for n in found):
-        raise ValueError("insert_grad_allreduce: the gradients are already all-reduced")
-    by_dtype: dict[torch.dtype, list[fx.Node]] = {}
-    for n in found:
-        by_dtype.setdefault(n.meta["val"].dtype, []).append(n)
-    for nodes in by_dtype.values():
-        shapes = [n.meta["val"].shape for n in nodes]
-
-        def reduce_bucket(*gs: Tensor, shapes: list = shapes) -> list[Tensor]:
-            flat = torch.cat([g.reshape(-1) for g in gs])
-            red = funcol.all_reduce(flat, "sum", group)
-            if average:
-                red = red / world
-            parts = torch.split(red, [s.numel() for s in shapes])
-            return [p.view(s) for p, s in zip(parts, shapes, strict=True)]
-
-        existing = set(graph.nodes)
-        outs = splice(graph, reduce_bucket, nodes, role=GRAD_ALLREDUCE, by_pass=PASS_NAME,
-                      output_roles=[(roles.GRAD, roles.target_of(n)) for n in nodes])
-        new = set(graph.nodes) - existing
-        for old, red in zip(nodes, outs, strict=True):
-            old.replace_all_uses_with(red, delete_user_cb=lambda u, new=new: u not in new)
-            roles.set_role(old, LOCAL_GRAD, roles.target_of(old))
-    graph.lint()
-    gm.recompile()
+    AllReduceGradsPass(group, average=average)(gm)
     return gm
 
 
 def insert_flag_allreduce(gm: fx.GraphModule, group: Any = None) -> fx.GraphModule:
     """Make the overflow flag of a DLS-rewritten step agree over ``group`` (run after apply_dls).
 
-    ``isfinite = all_reduce(not isfinite, SUM) == 0``: one 4-byte functional all-reduce. The
-    local flag keeps the ISFINITE role with target ``"local"``; the agreed one becomes the step's
-    global flag and feeds every guard and the scale update. A graph without a flag (static
-    scale, no scaling) is returned unchanged.
+    Runs `AllReduceFlagPass`: ``isfinite = all_reduce(not isfinite, SUM) == 0``, one 4-byte
+    functional all-reduce; the local flag is re-tagged with target ``"local"``. A graph without
+    a flag (static scale, no scaling) is returned unchanged.
     """
-    from torch.distributed import _functional_collectives as funcol
+    from dlspass.passes.all_reduce_flag_pass import AllReduceFlagPass
 
-    from dlspass.graph.splice import splice
-    from dlspass.passes.base import GLOBAL, global_node
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("insert_flag_allreduce: torch.distributed is not initialised")
-    group = group if group is not None else dist.group.WORLD
-    graph = gm.graph
-    flag = global_node(graph, roles.ISFINITE)
-    if flag is None:
-        return gm
-    if roles.pass_of(flag) == PASS_NAME:
-        raise ValueError("insert_flag_allreduce: the flag is already all-reduced")
-
-    def agree(ok: Tensor) -> Tensor:
-        bad = funcol.all_reduce((~ok).to(torch.float32), "sum", group)
-        return bad == 0
-
-    existing = set(graph.nodes)
-    (agreed,) = splice(graph, agree, [flag], role=FLAG_ALLREDUCE, by_pass=PASS_NAME,
-                       output_roles=[(roles.ISFINITE, GLOBAL)])
-    new = set(graph.nodes) - existing
-    flag.replace_all_uses_with(agreed, delete_user_cb=lambda u: u not in new)
-    roles.set_role(flag, roles.ISFINITE, LOCAL)
-    graph.lint()
-    gm.recompile()
+    AllReduceFlagPass(group)(gm)
     return gm
 
 
@@ -278,7 +225,7 @@ def capture_step_distributed(
     from dlspass.graph.invariants import verify
 
     if resolve_group(process_group) is None and not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("capture_step_distributed: torch.distributed is not initialised")
+        raise DistributedSetupError("capture_step_distributed: torch.distributed is not initialised")
     if broadcast_params:
         group = process_group if process_group is not None else dist.group.WORLD
         src = dist.get_global_rank(group, 0)
@@ -299,12 +246,9 @@ def capture_step_distributed(
 
 def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The functional-collective nodes of a graph (``_c10d_functional`` ops other than waits)."""
-    out = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            if n.target.namespace == "_c10d_functional" and "wait" not in n.target.__name__:
-                out.append(n)
-    return out
+    # only call nodes have an OpOverload target (the others name attributes or methods)
+    return [n for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
+            and n.target.namespace == "_c10d_functional" and "wait" not in n.target.__name__]
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

@@ -26,14 +26,14 @@ There are three implementations that agree bitwise (NaN payloads aside):
    it off). Smaller tensors, and the fallback, run the bit form in place on chunks that stay in
    L2 and below ATen's parallel grain size.
 2. ``round_bits``: int32 bit arithmetic made of plain aten ops, so inductor fuses it into one
-   loop; ``decompose_rounding`` swaps the custom op for it inside an FX graph.
+   loop; ``decompose_rounding`` (`dlspass.passes.decompose_rounding_pass`) swaps the custom op
+   for it inside an FX graph.
 3. ``round_arith``: float arithmetic only (log2, exp2, round, where) for exporters that have no
    bitcast (ONNX).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import types
@@ -43,12 +43,16 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from dlspass.errors import DLSInputError
+
 __all__ = [
     "BFLOAT16",
     "CBFLOAT16",
     "FLOAT16",
     "FORMATS",
     "Format",
+    "FormatError",
+    "FormatTypeError",
     "decompose_rounding",
     "get_format",
     "round_arith",
@@ -65,6 +69,16 @@ _CHUNK = 32000  # eager chunk: < ATen's 32768 parallel grain, ~500 KiB of buffer
 # Tensors at least this large use a lazily compiled (inductor, one fused loop) bit kernel in
 # eager mode; tests and tiny models never reach it. DLSPASS_ROUNDING_COMPILE=0 turns it off.
 COMPILE_MIN_NUMEL = 1 << 22
+FORMS = ("bits", "arith")  # the plain-op forms of the rounding op (round_bits, round_arith)
+ROUNDED_KEY = "dlspass_rounded"  # meta["custom"] key: the format a decomposed rounding rounds to
+
+
+class FormatError(DLSInputError, ValueError):
+    """A float format (or rounding form) name that dlspass does not know."""
+
+
+class FormatTypeError(DLSInputError, TypeError):
+    """A value of the wrong type for a format argument or the rounding op."""
 
 
 @dataclass(frozen=True)
@@ -124,20 +138,20 @@ def get_format(fmt: str | Format | torch.dtype) -> Format:
         for f in FORMATS.values():
             if f.torch_dtype == fmt:
                 return f
-        raise ValueError(f"no dlspass format for dtype {fmt}; known: {', '.join(FORMATS)}")
+        raise FormatError(f"no dlspass format for dtype {fmt}; known: {', '.join(FORMATS)}")
     if isinstance(fmt, str):
         key = _ALIASES.get(fmt.lower(), fmt.lower())
         if key in FORMATS:
             return FORMATS[key]
-        raise ValueError(f"unknown float format {fmt!r}; known: {', '.join(FORMATS)}")
-    raise TypeError(f"float format must be a name or Format, got {type(fmt).__name__}")
+        raise FormatError(f"unknown float format {fmt!r}; known: {', '.join(FORMATS)}")
+    raise FormatTypeError(f"float format must be a name or Format, got {type(fmt).__name__}")
 
 
 def _check_input(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"round_to_format expects a tensor, got {type(x).__name__}")
+        raise FormatTypeError(f"round_to_format expects a tensor, got {type(x).__name__}")
     if x.dtype != torch.float32:
-        raise TypeError(f"round_to_format expects a float32 tensor, got {x.dtype}")
+        raise FormatTypeError(f"round_to_format expects a float32 tensor, got {x.dtype}")
 
 
 def _f32_bits(value: float) -> int:
@@ -164,7 +178,7 @@ def _consts(fmt: Format) -> _Consts:
     c = _CONSTS.get(fmt.name)
     if c is None:
         if fmt.exponent_bits > 8 or fmt.mantissa_bits > _F32_MANT:
-            raise ValueError(f"format {fmt.name!r} does not fit in float32")
+            raise FormatError(f"format {fmt.name!r} does not fit in float32")
         shift = _F32_MANT - fmt.mantissa_bits
         c = _Consts(
             shift=shift,
@@ -281,7 +295,7 @@ def _compiled_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: b
     try:
         kernel = _COMPILED.get(key)
         if kernel is None:
-            base = _bit_fn(*key)
+            base = round_fn(*key)
             name = f"round_bits_{f.name}_{int(saturate)}{int(flush_to_zero)}"
             code = base.__code__.replace(co_name=name, co_qualname=name)
             fresh = types.FunctionType(code, base.__globals__, name, None, base.__closure__)
@@ -423,21 +437,22 @@ def round_to_format(
     return torch.ops.dlspass.round_to_format(x, f.name, bool(saturate), bool(flush_to_zero))
 
 
-def _is_round_node(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (
-        torch.ops.dlspass.round_to_format.default,
-        torch.ops.dlspass.round_to_format,
-    )
+def is_round_node(node: fx.Node) -> bool:
+    """True for a ``dlspass::round_to_format`` call in an FX graph."""
+    # only call nodes have an op as target (the others name attributes, methods or inputs)
+    return node.target in (torch.ops.dlspass.round_to_format.default, torch.ops.dlspass.round_to_format)
 
 
-def _node_args(node: fx.Node) -> tuple[fx.Node, str, bool, bool]:
+def round_node_args(node: fx.Node) -> tuple[fx.Node, str, bool, bool]:
+    """``(x, format name, saturate, flush_to_zero)`` of a rounding node, positional or keyword."""
     names = ("x", "fmt", "saturate", "flush_to_zero")
     vals = dict(zip(names, node.args, strict=False))
     vals.update(node.kwargs)
     return vals["x"], vals["fmt"], bool(vals["saturate"]), bool(vals["flush_to_zero"])
 
 
-def _bit_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
+def round_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
+    """``x -> round_bits(x, ...)`` (or ``round_arith`` for ``form="arith"``) with the options bound."""
     impl = round_arith if form == "arith" else round_bits
 
     # make_fx needs a signature of exactly the traced arguments (no defaults)
@@ -450,78 +465,23 @@ def _bit_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
 def rounded_format(node: fx.Node) -> str | None:
     """The format ``node`` rounds to: a ``dlspass::round_to_format`` node, or the last node of
     one that ``decompose_rounding`` replaced; None for any other node."""
-    if _is_round_node(node):
-        return _node_args(node)[1]
-    return node.meta.get("custom", {}).get("dlspass_rounded")
+    if is_round_node(node):
+        return round_node_args(node)[1]
+    return node.meta.get("custom", {}).get(ROUNDED_KEY)
 
 
 def decompose_rounding(gm: fx.GraphModule, form: str = "bits", decompositions: dict | None = None) -> int:
     """Replace each ``dlspass::round_to_format`` node in ``gm`` by traced plain aten ops.
 
     ``form="bits"``: ``round_bits`` (int32 bit operations that inductor fuses); ``"arith"``:
-    ``round_arith`` (no bit-casts, for ONNX). The form is traced with ``make_fx`` on the node
-    input's fake value (so the new nodes carry valid ``meta["val"]``) and spliced in place.
-    Returns the number of nodes replaced; ``gm`` is recompiled when it changed.
-    ``decompositions``: a table the form is traced with (inductor's, for a graph that goes to
-    ``compile_fx_inner`` as it is).
+    ``round_arith`` (no bit-casts, for ONNX). Runs `DecomposeRoundingPass`, which traces the
+    form on the node input's fake value (so the new nodes carry valid ``meta["val"]``) and
+    grafts it in place. Returns the number of nodes replaced; ``gm`` is recompiled when it
+    changed. ``decompositions``: a table the form is traced with (inductor's, for a graph that
+    goes to ``compile_fx_inner`` as it is).
     """
-    if form not in ("bits", "arith"):
-        raise ValueError(f"form: expected 'bits' or 'arith', got {form!r}")
-    from torch._guards import detect_fake_mode
-    from torch.fx.experimental.proxy_tensor import make_fx
+    from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 
-    count = 0
-    # one trace per (format, switches, shape, stride): big graphs round thousands of values
-    traced: dict[tuple, fx.GraphModule] = {}
-    for node in list(gm.graph.nodes):
-        if not _is_round_node(node):
-            continue
-        x_node, fmt, saturate, ftz = _node_args(node)
-        val = x_node.meta.get("val") if isinstance(x_node, fx.Node) else None
-
-        fn = _bit_fn(fmt, saturate, ftz, form)
-        if isinstance(val, torch.Tensor) and detect_fake_mode([val]) is not None:
-            mode = detect_fake_mode([val])
-            mode_kind = "symbolic" if mode.shape_env is not None else "fake"
-            key = (fmt, saturate, ftz, tuple(val.shape), tuple(val.stride()), val.device)
-            sub = traced.get(key) if mode_kind == "fake" else None
-            if sub is None:
-                with mode:
-                    sub = make_fx(fn, decomposition_table=decompositions, tracing_mode=mode_kind)(val)
-                if mode_kind == "fake":
-                    traced[key] = sub
-            keep_val = True
-        else:
-            sub = make_fx(fn, decomposition_table=decompositions)(torch.zeros(1, dtype=torch.float32))
-            keep_val = False
-        placeholder = next(n for n in sub.graph.nodes if n.op == "placeholder")
-        val_map: dict[fx.Node, fx.Node] = {placeholder: x_node}
-        for sn in sub.graph.nodes:
-            if sn.op == "get_attr":  # constants lifted by make_fx: copy them into gm
-                name = f"_dlspass_round_const_{count}_{sn.target}"
-                setattr(gm, name, getattr(sub, sn.target))
-                with gm.graph.inserting_before(node):
-                    val_map[sn] = gm.graph.get_attr(name)
-                val_map[sn].meta.update(sn.meta)
-        with gm.graph.inserting_before(node):
-            out = gm.graph.graph_copy(sub.graph, val_map)
-        if not keep_val:
-            for sn in sub.graph.nodes:
-                mapped = val_map.get(sn)
-                if mapped is not None and mapped is not x_node:
-                    mapped.meta.pop("val", None)
-                    mapped.meta.pop("tensor_meta", None)
-        if isinstance(out, fx.Node):
-            for key in ("custom", "stack_trace", "nn_module_stack"):
-                if key in node.meta and key not in out.meta:
-                    # a copy: one shared dict would let a later tag on one node change both
-                    out.meta[key] = copy.copy(node.meta[key])
-            # the rounding stays recognisable after decomposition (and torch.export.save)
-            out.meta["custom"] = {**out.meta.get("custom", {}), "dlspass_rounded": fmt}
-        node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
-        count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    rewrite = DecomposeRoundingPass(form, decompositions)
+    rewrite(gm)
+    return rewrite.replaced

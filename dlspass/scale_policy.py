@@ -215,3 +215,14 @@ def dls_tail(
         isfinite = torch.ones((), dtype=torch.bool, device=loss_scale.device)
         norm = global_norm(unscaled) if config.max_gradient_norm is not None else None
     return clip(unscaled, norm, config), isfinite, norm
+
+
+def sum_squares(grads: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:
+    """``sum over grads of sum(g*g)`` in float32 (the square of `global_norm`); 0 for no grads.
+
+    Kept apart from the square root so that partial sums can be added up first, e.g. over the
+    ranks that each hold a shard of the gradients (`dlspass.distributed`).
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([torch.sum(g.to(torch.float32) * g.to(torch.float32)) for g in grads]).sum()

@@ -358,14 +358,22 @@ def test_dcp_round_trip_of_torch_grad_scaler(tmp_path) -> None:
 
 def test_single_process_needs_no_group() -> None:
     """Without an initialised process group nothing is communicated (and none is required)."""
-    from dlspass.distributed import insert_flag_allreduce, insert_grad_allreduce, resolve_group
+    from dlspass.distributed import (
+        DistributedSetupError,
+        insert_flag_allreduce,
+        insert_grad_allreduce,
+        resolve_group,
+    )
+    from dlspass.errors import DLSInputError
 
+    # an input error that is still the RuntimeError it always was
+    assert issubclass(DistributedSetupError, DLSInputError) and issubclass(DistributedSetupError, RuntimeError)
     assert resolve_group(None) is None
-    with pytest.raises(RuntimeError, match="not initialised"):
+    with pytest.raises(DistributedSetupError, match="not initialised"):
         resolve_group(object())
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     for fn in (insert_grad_allreduce, insert_flag_allreduce):
-        with pytest.raises(RuntimeError, match="not initialised"):
+        with pytest.raises(DistributedSetupError, match="not initialised"):
             fn(gm)
 
 

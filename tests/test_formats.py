@@ -11,6 +11,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dlspass import formats as F
+from dlspass.errors import DLSInputError
 
 IMPLS = {
     "op": lambda x, f, s=False, z=False: F.round_to_format(x, f, saturate=s, flush_to_zero=z),
@@ -100,17 +101,21 @@ def test_get_format():
     assert F.get_format("BF16") is F.BFLOAT16
     assert F.get_format(torch.float16) is F.FLOAT16
     assert F.get_format(F.CBFLOAT16) is F.CBFLOAT16
-    with pytest.raises(ValueError, match="unknown float format 'fp8'"):
+    # FormatError: an input error (DLSInputError) that is still a ValueError
+    assert issubclass(F.FormatError, DLSInputError) and issubclass(F.FormatError, ValueError)
+    with pytest.raises(F.FormatError, match="unknown float format 'fp8'"):
         F.get_format("fp8")
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(F.FormatError, match="float32"):
         F.get_format(torch.float32)
-    with pytest.raises(ValueError, match="unknown float format"):
+    with pytest.raises(F.FormatError, match="unknown float format"):
         F.round_to_format(torch.ones(2), "fp8")
+    with pytest.raises(F.FormatTypeError, match="must be a name or Format"):
+        F.get_format(3)
 
 
 def test_rejects_non_float32():
     for impl in IMPLS.values():
-        with pytest.raises(TypeError, match="float32 tensor, got torch.float16"):
+        with pytest.raises(F.FormatTypeError, match="float32 tensor, got torch.float16"):
             impl(torch.ones(2, dtype=torch.float16), "cbfloat16")
 
 

@@ -6,9 +6,9 @@ A `Fault` says *when* (the 0-based step index), *where* (``kind`` and ``target``
 - eager training: `EagerFaultInjector` puts hooks on the model (a tensor hook on a parameter
   for its gradient, a forward hook on a module for its output) and multiplies the loss by the
   value through ``injector.loss(loss)``; the step index is a host int, so no sync is added;
-- captured steps (`dlspass.capture_step`): `inject_faults` is a graph pass on the role-tagged
-  step graph. It adds one placeholder, the step counter (0-d int64, role ``input``, target
-  ``fault_step``), and for each faulted node inserts ``where(fault_step == k, value, x)`` and
+- captured steps (`dlspass.capture_step`): `inject_faults` runs the graph pass
+  `dlspass.passes.inject_faults_pass.InjectFaultsPass` on the role-tagged step graph. It adds
+  one placeholder, the step counter (0-d int64, role ``input``, target ``fault_step``), and for each faulted node inserts ``where(fault_step == k, value, x)`` and
   re-points every user of ``x`` at it. Gradients are the ``grad`` nodes of the parameter; the
   loss is the backward seed (the captured backward starts from ``ones_like(loss)``, so faulting
   the loss value alone would change nothing downstream; faulting the seed is what ``loss * inf``
@@ -46,8 +46,9 @@ from torch import Tensor, nn
 from dlspass.errors import DLSInputError
 from dlspass.graph import roles
 
-FAULT = "fault"  # role of the nodes inject_faults inserts
+FAULT = "fault"  # role of the nodes InjectFaultsPass inserts
 FAULT_STEP = "fault_step"  # target of the step-counter placeholder
+PRE_FAULT_GRAD = "pre_fault_grad"  # role of a gradient as backward made it, before its fault
 KINDS = ("grad", "activation", "loss")
 VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
@@ -238,61 +239,17 @@ class EagerFaultInjector:
 
 
 # ---- captured graphs --------------------------------------------------------------------------
-def _fault_nodes(graph: fx.Graph, fault: Fault) -> list[fx.Node]:
-    if fault.kind == "loss":
-        # the seed drives the backward; the loss node only makes the returned loss show it
-        return [roles.the_node(graph, roles.SEED), roles.the_node(graph, roles.LOSS)]
-    if fault.kind == "grad":
-        found = [n for n in roles.nodes_with_role(graph, roles.GRAD)
-                 if roles.target_of(n) == fault.target]
-        if len(found) != 1:
-            names = sorted(str(roles.target_of(n)) for n in roles.nodes_with_role(graph, roles.GRAD))
-            raise FaultError(f"grad fault: the graph has no gradient of {fault.target!r} "
-                             f"(gradients: {', '.join(names)})")
-        return found
-    for n in graph.nodes:
-        if n.name == fault.target and n.op == "call_function":
-            return [n]
-    raise FaultError(f"activation fault: the graph has no computed node named {fault.target!r}")
-
-
 def inject_faults(gm: fx.GraphModule, faults: Iterable[Fault]) -> fx.GraphModule:
     """Rewrite the step graph ``gm`` in place so that ``faults`` fire; returns ``gm``.
 
-    Adds the step-counter placeholder (0-d int64, appended after every other input) and, per
-    faulted node, ``where(fault_step == k, value, x)`` for each of its faulted steps. The graph
-    then takes one input more: the index of the step being run.
+    Runs `dlspass.passes.inject_faults_pass.InjectFaultsPass`: adds the step-counter placeholder
+    (0-d int64, appended after every other input) and, per faulted node,
+    ``where(fault_step == k, value, x)`` for each of its faulted steps. The graph then takes one
+    input more: the index of the step being run.
     """
-    graph = gm.graph
-    faults = list(faults)
-    if any(roles.role_of(n) == roles.INPUT and roles.target_of(n) == FAULT_STEP
-           for n in graph.find_nodes(op="placeholder")):
-        raise FaultError("inject_faults: this graph already has faults injected")
-    targets = [(f, n) for f in faults for n in _fault_nodes(graph, f)]
-    last_ph = list(graph.find_nodes(op="placeholder"))[-1]
-    with graph.inserting_after(last_ph):
-        counter = graph.placeholder(FAULT_STEP)
-    roles.set_role(counter, roles.INPUT, FAULT_STEP)
-    counter.meta["val"] = torch.zeros((), dtype=torch.int64)
-    by_node: dict[fx.Node, list[Fault]] = {}
-    for f, node in targets:
-        by_node.setdefault(node, []).append(f)
-    for node, fs in by_node.items():
-        users = list(node.users)
-        cur = anchor = node
-        for f in sorted(fs, key=lambda f: f.step):
-            with graph.inserting_after(anchor):
-                eq = graph.call_function(torch.ops.aten.eq.Scalar, (counter, f.step))
-            with graph.inserting_after(eq):
-                cur = graph.call_function(torch.ops.aten.where.ScalarSelf, (eq, f.value, cur))
-            for n in (eq, cur):
-                roles.set_role(n, FAULT, f.target or "loss", by_pass="inject_faults")
-            cur.meta["val"] = node.meta.get("val")
-            anchor = cur
-        for u in users:
-            u.replace_input_with(node, cur)
-    graph.lint()
-    gm.recompile()
+    from dlspass.passes.inject_faults_pass import InjectFaultsPass
+
+    InjectFaultsPass(faults)(gm)
     return gm
 
 
@@ -361,64 +318,27 @@ def _example_inputs(step: Any) -> list[Tensor]:
 
 
 # ---- dlspass.compile steps ---------------------------------------------------------------------
-PRE_FAULT_GRAD = "pre_fault_grad"  # role of a gradient as backward made it, before its fault
-
-
 def compiled_fault_pass(faults: Iterable[Fault],
                         names: dict[str, str] | None = None) -> Callable[[fx.GraphModule], None]:
     """A ``dlspass.compile`` graph pass (``graph_passes=``) that injects ``faults``.
 
-    Runs `inject_faults` on the role-tagged AOT graph (before ``apply_dls``), so the graph gets
-    a ``fault_step`` input the step must provide (``step.extra_inputs["fault_step"]``; see
+    Runs `InjectFaultsPass` on the role-tagged AOT graph (before ``apply_dls``), so the graph
+    gets a ``fault_step`` input the step must provide (``step.extra_inputs["fault_step"]``; see
     `install_faults`, which does both). ``names`` maps gradient fault targets to graph GRAD
     targets. Each faulted gradient's last ``where`` becomes the GRAD node, its original node is
     re-tagged ``pre_fault_grad``: the overflow check then sees the fault.
     """
+    from dlspass.passes.inject_faults_pass import InjectFaultsPass
+
     faults = [dataclasses.replace(f, target=names.get(f.target, f.target))
               if f.kind == "grad" and names else f for f in faults]
+    # the step feeds fault_step on the device of its parameters, the graph's first inputs
+    rewrite = InjectFaultsPass(faults, move_roles=True, counter_device=None)
 
     def run(gm: fx.GraphModule) -> None:
-        graph = gm.graph
-        grads = {roles.target_of(n): n for n in roles.nodes_with_role(graph, roles.GRAD)}
-        if any(f.kind == "loss" for f in faults) and not roles.nodes_with_role(graph, roles.LOSS):
-            # the AOT graph records the loss only as an output position; tag the value so a
-            # loss fault also shows in the returned loss, as in eager
-            _, loss = roles.output_value(graph, roles.LOSS)
-            if loss.op != "call_function" or roles.role_of(loss) is not None:
-                raise FaultError("loss fault: the step's returned loss is not a computed node")
-            roles.set_role(loss, roles.LOSS)
-        vals = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
-        inject_faults(gm, faults)
-        _fake_values(graph, vals)
-        for target in sorted({f.target for f in faults if f.kind == "grad"}):
-            node = cur = grads[target]
-            while True:
-                nxt = [u for u in cur.users if roles.role_of(u) == FAULT
-                       and u.target is torch.ops.aten.where.ScalarSelf]
-                if not nxt:
-                    break
-                cur = nxt[0]
-            roles.set_role(node, PRE_FAULT_GRAD, target)
-            roles.set_role(cur, roles.GRAD, target)
-        gm.recompile()
+        rewrite(gm)
 
     return run
-
-
-def _fake_values(graph: fx.Graph, vals: list[Any]) -> None:
-    """Give the nodes inject_faults added fake values like the rest of the AOT graph's."""
-    fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, Tensor)])
-    device = next((v.device for v in vals if isinstance(v, Tensor)), torch.device("cpu"))
-
-    def fake(dtype: torch.dtype) -> Tensor:
-        t = torch.zeros((), dtype=dtype, device=device)
-        return fake_mode.from_tensor(t) if fake_mode is not None else t
-
-    for n in graph.nodes:
-        if n.op == "placeholder" and roles.target_of(n) == FAULT_STEP:
-            n.meta["val"] = fake(torch.int64)
-        elif roles.role_of(n) == FAULT and n.target is torch.ops.aten.eq.Scalar:
-            n.meta["val"] = fake(torch.bool)
 
 
 class _CompiledFaultSchedule(FaultSchedule):

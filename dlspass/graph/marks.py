@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from dlspass.graph import roles
+from dlspass.graph.splice import port_provenance
 
 
 @torch.library.custom_op("dlspass::mark", mutates_args=())
@@ -55,6 +56,8 @@ def resolve_marks(gm: fx.GraphModule) -> int:
             with gm.graph.inserting_before(node):
                 holder = gm.graph.call_function(torch.ops.aten.alias.default, (src,))
             holder.meta.update({k: v for k, v in src.meta.items() if k in ("val", "tensor_meta")})
+            # the marker was written where the value was named: that is where the holder comes from
+            port_provenance(node, [holder])
         roles.set_role(holder, role, target or None)
         node.replace_all_uses_with(holder)
         gm.graph.erase_node(node)

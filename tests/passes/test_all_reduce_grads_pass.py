@@ -1,0 +1,104 @@
+"""AllReduceGradsPass on 2 real gloo ranks: the graph's gradients are the mean (or sum) of the
+ranks' eager autograd gradients, and SGD steps with them on every rank alike.
+
+The ranks run this file as a script (``_worker``); the test compares what they saved with the
+per-rank eager gradients, reduced here with plain torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+from stepgraph import eager_grads, node_values, run, sgd_momentum, trace_step
+
+from dlspass.graph import roles
+from dlspass.models import MLP, mse_loss
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _step(rank: int):
+    torch.manual_seed(0)  # the same model on every rank
+    model = MLP(d_in=4, d_hidden=8, d_out=3)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own batch
+    return trace_step(model, mse_loss, (torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)))
+
+
+def _reduced(rank: int, average: bool) -> dict:
+    from dlspass.distributed import collective_nodes
+    from dlspass.passes.all_reduce_grads_pass import AllReduceGradsPass
+
+    step = _step(rank)
+    gm = step.gm
+    n_grads = len(roles.nodes_with_role(gm.graph, roles.GRAD))
+    AllReduceGradsPass(average=average)(gm)
+    grads = roles.nodes_with_role(gm.graph, roles.GRAD)
+    local = [n for n in gm.graph.nodes if roles.role_of(n) == "local_grad"]
+    vals = node_values(gm, step.inputs(), grads)
+    return {
+        "grads": {roles.target_of(n): v for n, v in zip(grads, vals, strict=True)},
+        "updates": run(step)[roles.PARAM_UPDATE],
+        "n_grads": n_grads, "n_local": len(local), "n_collectives": len(collective_nodes(gm)),
+        # each rank-local gradient is read by the bucket only
+        "local_users_in_bucket": all(roles.role_of(u) == "grad_allreduce" for n in local for u in n.users),
+    }
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    out = {"mean": _reduced(rank, True), "sum": _reduced(rank, False)}
+    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    from gloo_launch import launch
+
+    return launch(__file__, 2, 150)
+
+
+def test_gradients_are_the_mean_of_the_ranks_eager_gradients(ranks: list[dict]) -> None:
+    eager = [eager_grads(_step(r)) for r in range(2)]
+    for r in range(2):
+        got = ranks[r]["mean"]["grads"]
+        assert set(got) == set(eager[0])
+        for name in got:
+            torch.testing.assert_close(got[name], (eager[0][name] + eager[1][name]) / 2)
+            assert torch.equal(got[name], ranks[0]["mean"]["grads"][name])  # identical on all ranks
+
+
+def test_sum_mode(ranks: list[dict]) -> None:
+    eager = [eager_grads(_step(r)) for r in range(2)]
+    for name, v in ranks[0]["sum"]["grads"].items():
+        torch.testing.assert_close(v, eager[0][name] + eager[1][name])
+
+
+def test_optimizer_steps_with_the_reduced_gradients(ranks: list[dict]) -> None:
+    eager = [eager_grads(_step(r)) for r in range(2)]
+    step = _step(0)
+    for name, p in step.params.items():
+        mean = (eager[0][name] + eager[1][name]) / 2
+        want, _ = sgd_momentum(p, mean, step.opt_state[f"{name}.momentum_buffer"], step.hyper["group0.lr"])
+        for r in range(2):
+            torch.testing.assert_close(ranks[r]["mean"]["updates"][name], want)
+
+
+def test_one_bucket_per_dtype_and_local_grads_retagged(ranks: list[dict]) -> None:
+    for r in ranks:
+        res = r["mean"]
+        assert res["n_collectives"] == 1  # one float32 bucket
+        assert res["n_local"] == res["n_grads"] == len(res["grads"])
+        assert res["local_users_in_bucket"]
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
