@@ -177,6 +177,12 @@ def replace_uses(old: fx.Node, new: fx.Node, keep: set[fx.Node]) -> None:
     old.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new and u not in keep)
 
 
+def outputs(graph: fx.Graph) -> list[tuple[int, str, str | None, fx.Node]]:
+    """``(position, role, target, value)`` of every output of the step graph."""
+    vals = roles.output_values(graph)
+    return [(i, role, target, vals[i]) for i, (role, target) in enumerate(roles.output_roles(graph))]
+
+
 def set_outputs(graph: fx.Graph, replacements: dict[int, fx.Node]) -> None:
     """Replace output values by position (one node may be returned at several positions)."""
     out = graph.output_node()

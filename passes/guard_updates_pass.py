@@ -12,6 +12,7 @@ from dlspass.passes.base import (
     PassContractError,
     global_node,
     no_check_reason,
+    outputs,
     placeholders_by_role,
     set_outputs,
 )
@@ -31,18 +32,17 @@ class GuardUpdatesPass(FlagConsumerPass):
         isfinite = global_node(graph, roles.ISFINITE)
         olds_by_role = {r: placeholders_by_role(graph, r) for r in GUARDED.values()}
         positions, news, olds, targets = [], [], [], []
-        vals = roles.output_values(graph)
-        for i, (role, target) in enumerate(roles.output_roles(graph)):
+        for i, role, target, value in outputs(graph):
             if role not in GUARDED:
                 continue
             old = olds_by_role[GUARDED[role]].get(target)
             if old is None:
                 raise PassContractError(f"guard_updates: output {i} ({role} {target!r}) has no "
                                         f"matching {GUARDED[role]} placeholder")
-            if vals[i] is old:  # passed through unchanged: nothing to roll back
+            if value is old:  # passed through unchanged: nothing to roll back
                 continue
             positions.append(i)
-            news.append(vals[i])
+            news.append(value)
             olds.append(old)
             targets.append(target)
         if positions:
@@ -57,7 +57,6 @@ class GuardUpdatesPass(FlagConsumerPass):
     def ensures(self, gm: fx.GraphModule) -> None:
         if no_check_reason(self.config) is not None:
             return
-        vals = roles.output_values(gm.graph)
-        for i, (role, target) in enumerate(roles.output_roles(gm.graph)):
-            if role in GUARDED and vals[i].op != "placeholder" and roles.role_of(vals[i]) != roles.GUARD:
+        for i, role, target, value in outputs(gm.graph):
+            if role in GUARDED and value.op != "placeholder" and roles.role_of(value) != roles.GUARD:
                 raise PassContractError(f"guard_updates: output {i} ({target!r}) is not guarded")

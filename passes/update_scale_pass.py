@@ -12,6 +12,7 @@ from dlspass.passes.base import (
     PassContractError,
     global_node,
     no_check_reason,
+    outputs,
     placeholder,
     set_outputs,
 )
@@ -38,7 +39,7 @@ class UpdateScalePass(FlagConsumerPass):
                      output_roles=[(roles.SCALE_UPDATE, f) for f in fields])
         by_field = dict(zip(fields, new, strict=True))
         repl = {}
-        for i, (role, target) in enumerate(roles.output_roles(graph)):
+        for i, role, target, _ in outputs(graph):
             if role == roles.SCALER_STATE_UPDATE:
                 if target not in by_field:
                     raise PassContractError(f"update_scale: output {i} names unknown state field {target!r}")
@@ -49,11 +50,9 @@ class UpdateScalePass(FlagConsumerPass):
     def ensures(self, gm: fx.GraphModule) -> None:
         if no_check_reason(self.config) is not None:
             return
-        vals = roles.output_values(gm.graph)
-        for i, (role, target) in enumerate(roles.output_roles(gm.graph)):
+        for i, role, target, v in outputs(gm.graph):
             if role != roles.SCALER_STATE_UPDATE:
                 continue
-            v = vals[i]
             # a field the policy leaves unchanged (cerebras' hysteresis) is its placeholder
             want = roles.SCALER_STATE if v.op == "placeholder" else roles.SCALE_UPDATE
             if roles.role_of(v) != want or roles.target_of(v) != target:
