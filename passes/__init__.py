@@ -43,7 +43,7 @@ __all__ = [
     "APPLIED_KEY", "CONFIG_KEY", "PASSES", "ClipGradNormPass", "DLSPass", "GuardUpdatesPass",
     "LowerPrecisionPass", "PassContractError", "ScaleSeedPass", "UnscaleGradsPass",
     "UpdateScalePass", "apply_dls", "applied_passes", "check_graph", "default_passes",
-    "recorded_config", "skip_reasons",
+    "recorded_config", "run_passes", "skip_reasons",
 ]
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format, the emulation's op
-from dlspass.config import PRECISION_MODES, ConfigError
+from dlspass.config import PRECISION_MODES, ConfigError, FP16Type, PrecisionMode
 from dlspass.graph import roles
 from dlspass.graph.splice import insert_op, set_fake_val
 from dlspass.passes.base import DLSPass, PassContractError
@@ -32,7 +32,8 @@ class LowerPrecisionPass(DLSPass):
 
     name = "lower_precision"
 
-    def __init__(self, fmt: str, mode: str = "emulate", policy: PrecisionPolicy | None = None) -> None:
+    def __init__(self, fmt: FP16Type, mode: PrecisionMode = "emulate",
+                 policy: PrecisionPolicy | None = None) -> None:
         # the format and mode come from the user (config, CLI flags): a wrong one is input
         if mode not in PRECISION_MODES:
             raise ConfigError(f"precision mode: expected one of {PRECISION_MODES}, got {mode!r}")
