@@ -1,7 +1,9 @@
 """The ``dlspass`` command line: a thin typer app; each command's body lives in its own module.
 
-Exit codes: 0 success, 1 verification failure, 2 bad input or usage, 3 internal error (a bug:
-the traceback is printed). Results go to stdout, progress and logs to stderr. Input errors are
+Exit codes by exception class: 0 success, 1 verification failure (``VerificationError`` from
+``dlspass verify``), 2 bad input or usage (a ``DLSInputError``, a file system refusal of a path
+the user named, or a usage error), 3 anything else: an internal error (a bug: the traceback is
+printed). Results go to stdout, progress and logs to stderr. Input errors are
 one line on stderr (``dlspass: error: ...``), never a traceback; ``DLSPASS_DEBUG=1`` re-raises.
 """
 
