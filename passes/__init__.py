@@ -9,11 +9,12 @@ Order (one pass per file, ``VerbNounPass`` in ``verb_noun_pass.py``):
 5. ``GuardUpdatesPass``    params and optimizer state: ``where(isfinite, new, old)`` (dynamic)
 6. ``UpdateScalePass``     scaler-state outputs = ``update_state(state, isfinite)`` (dynamic)
 
-then ``dlspass.graph.invariants.verify``. ``log`` (this module's logger) tells at DEBUG, per
-pass, the nodes it added and removed or why it skipped. The config is recorded as JSON on the output node
-(``meta["custom"]["dlspass_config"]``; also on the seed node, whose meta survives
-``torch.export``, which rebuilds the output node), which makes the pipeline idempotent and lets it refuse
-a graph already rewritten with a different config.
+then ``dlspass.graph.invariants.verify``. A pass that does not apply records why
+(``skip_reasons``, shown by ``dlspass inspect``); ``log`` (this module's logger) tells at DEBUG,
+per pass, the nodes it added and removed or why it skipped. The config is recorded as JSON on
+the output node (``meta["custom"]["dlspass_config"]``; also on the seed node, whose meta
+survives ``torch.export``, which rebuilds the output node), which makes the pipeline idempotent
+and lets it refuse a graph already rewritten with a different config.
 """
 
 from __future__ import annotations
