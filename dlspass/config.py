@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from dlspass.errors import DLSInputError
 
-FP16_TYPES = ("float16", "bfloat16", "cbfloat16")
-POLICIES = ("cerebras", "torch", "deepspeed", "megatron", "keras")
-FLOAT32_MAX = 3.4028234663852886e38
-
-Policy = Literal["cerebras", "torch", "deepspeed", "megatron", "keras"]
+# The choices are written once, as the types of DLSConfig's fields; the tuples are their values.
 FP16Type = Literal["float16", "bfloat16", "cbfloat16"]
+Policy = Literal["cerebras", "torch", "deepspeed", "megatron", "keras"]
+PrecisionMode = Literal["emulate", "native"]
+"""How 16-bit ops run: ``emulate`` rounds in float32 containers, ``native`` casts to the dtype."""
+FP16_TYPES: tuple[str, ...] = get_args(FP16Type)
+POLICIES: tuple[str, ...] = get_args(Policy)
+PRECISION_MODES: tuple[str, ...] = get_args(PrecisionMode)
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class ConfigError(DLSInputError, ValueError):
@@ -155,9 +158,9 @@ class DLSConfig:
     overflow_tolerance: float | None = None
     max_gradient_norm: float | None = None
     max_gradient_value: float | None = None
-    fp16_type: str = "float16"
+    fp16_type: FP16Type = "float16"
     mixed_precision: bool = True
-    policy: str = "cerebras"
+    policy: Policy = "cerebras"
     growth_factor: float | None = None
     backoff_factor: float | None = None
     hysteresis: int | None = None

@@ -4,8 +4,14 @@
 caller's input is wrong (a config value, a file, an unsupported model or optimizer): the CLI
 prints one line and exits 2. ``DLSInternalError`` means a contract inside dlspass broke (a pass
 left the graph in a state the next one cannot take): the CLI exits 3 and shows the traceback
-under ``DLSPASS_DEBUG=1``. Each concrete class also keeps the builtin base it always had
-(``ValueError``, ``TypeError``, ``RuntimeError``) so existing ``except`` clauses keep working.
+under ``DLSPASS_DEBUG=1``. Every concrete class belongs to exactly one of the two families
+(``tests/test_errors.py`` walks the package to check it). Each concrete class also keeps the
+builtin base it always had (``ValueError``, ``TypeError``, ``RuntimeError``) so existing
+``except`` clauses keep working.
+
+``VerificationError`` (``dlspass.verify``) is a ``DLSInternalError``: inside ``apply_dls`` it means
+a pass broke an invariant. ``dlspass verify FILE`` reports it as the command's result (exit 1),
+not as a crash.
 """
 
 from __future__ import annotations
@@ -21,3 +27,15 @@ class DLSInputError(DLSPassError):
 
 class DLSInternalError(DLSPassError):
     """A dlspass contract broke: a bug in dlspass or in a user pass (CLI exit code 3)."""
+
+
+class GraphContractError(DLSInternalError, RuntimeError):
+    """A step graph lacks what its contract promises (a role, an output); the message names it.
+
+    Raised by the role look-ups in ``dlspass.graph.roles``; ``dlspass.passes.PassContractError``
+    (a pass's precondition or postcondition) is its subclass.
+    """
+
+
+FAMILIES: tuple[type[DLSPassError], ...] = (DLSInputError, DLSInternalError)
+"""The two families every concrete dlspass exception belongs to (exactly one of them)."""

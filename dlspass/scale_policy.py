@@ -8,7 +8,7 @@ with ``make_fx`` into a captured training step. All scale arithmetic is float32
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -63,83 +63,113 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
+def _cerebras(state: ScalerState, ok: Tensor, config: DLSConfig) -> ScalerState:
+    """cstorch: back off when the overflow ratio since the last change exceeds the tolerance,
+    grow after ``steps_per_increase`` steps without backing off."""
+    zero = torch.zeros_like(state.steps_since_rescale)
+    scale = state.loss_scale
+    steps = state.steps_since_rescale + 1
+    ovf = state.overflows_since_rescale + (1 - ok.to(torch.int64))
+    ratio = ovf.to(torch.float32) / steps.to(torch.float32)
+    shrink = ratio > _f32(config.tolerance)
+    scale = torch.where(shrink, scale * _f32(config.backoff), scale)
+    steps = torch.where(shrink, zero, steps)
+    ovf = torch.where(shrink, zero, ovf)
+    grow = steps > config.growth_interval
+    scale = torch.where(grow, scale * _f32(config.growth), scale)
+    steps = torch.where(grow, zero, steps)
+    ovf = torch.where(grow, zero, ovf)
+    return state._replace(loss_scale=scale, steps_since_rescale=steps, overflows_since_rescale=ovf)
+
+
+def _torch_like(state: ScalerState, ok: Tensor, config: DLSConfig) -> ScalerState:
+    """torch.amp and Keras: back off on every overflow, grow after an interval of clean steps;
+    torch refuses a growth that would overflow float32, Keras does not."""
+    zero = torch.zeros_like(state.steps_since_rescale)
+    bad = ~ok
+    scale = torch.where(bad, state.loss_scale * _f32(config.backoff), state.loss_scale)
+    steps = torch.where(bad, zero, state.steps_since_rescale + 1)
+    grow = steps == config.growth_interval
+    grown = scale * _f32(config.growth)
+    grow_ok = grow & torch.isfinite(grown) if config.policy == "torch" else grow
+    scale = torch.where(grow_ok, grown, scale)
+    steps = torch.where(grow, zero, steps)
+    return state._replace(loss_scale=scale, steps_since_rescale=steps)
+
+
+def _deepspeed(state: ScalerState, ok: Tensor, config: DLSConfig) -> ScalerState:
+    """DeepSpeed: an overflow first uses up the hysteresis, then backs off; the hysteresis is
+    refilled on growth (or on every clean step with ``consecutive_hysteresis``)."""
+    zero = torch.zeros_like(state.steps_since_rescale)
+    bad = ~ok
+    hyst = state.hysteresis
+    full = torch.full_like(hyst, config.hysteresis_steps)
+    at_last = hyst <= 1
+    scale = torch.where(bad & at_last, state.loss_scale * _f32(config.backoff), state.loss_scale)
+    hyst = torch.where(bad & ~at_last, hyst - 1, hyst)
+    steps = torch.where(bad, zero, state.steps_since_rescale + 1)
+    if config.consecutive_hysteresis:
+        hyst = torch.where(ok, full, hyst)
+    grow = ok & (steps == config.growth_interval)
+    scale = torch.where(grow, scale * _f32(config.growth), scale)
+    steps = torch.where(grow, zero, steps)
+    if not config.consecutive_hysteresis:
+        hyst = torch.where(grow, full, hyst)
+    return state._replace(loss_scale=scale, steps_since_rescale=steps, hysteresis=hyst)
+
+
+def _megatron(state: ScalerState, ok: Tensor, config: DLSConfig) -> ScalerState:
+    """Megatron: every overflow uses up the hysteresis, backing off once it is spent; growth
+    refills it."""
+    zero = torch.zeros_like(state.steps_since_rescale)
+    bad = ~ok
+    full = torch.full_like(state.hysteresis, config.hysteresis_steps)
+    # Megatron lets the tracker go negative; clamping at 0 backs off identically (h <= 0)
+    # and keeps every counter non-negative.
+    hyst = torch.where(bad, torch.clamp(state.hysteresis - 1, min=0), state.hysteresis)
+    scale = torch.where(bad & (hyst <= 0), state.loss_scale * _f32(config.backoff), state.loss_scale)
+    steps = torch.where(bad, zero, state.steps_since_rescale + 1)
+    grow = ok & (steps == config.growth_interval)
+    scale = torch.where(grow, scale * _f32(config.growth), scale)
+    steps = torch.where(grow, zero, steps)
+    hyst = torch.where(grow, full, hyst)
+    return state._replace(loss_scale=scale, steps_since_rescale=steps, hysteresis=hyst)
+
+
+_UpdateRule = Callable[[ScalerState, Tensor, DLSConfig], ScalerState]
+_UPDATE_RULES: dict[str, _UpdateRule] = {
+    "cerebras": _cerebras,
+    "torch": _torch_like,
+    "keras": _torch_like,
+    "deepspeed": _deepspeed,
+    "megatron": _megatron,
+}
+"""Each policy's rule: ``(state, ok, config) -> state`` with the scale before the floor and cap.
+
+A rule branches only on the static config, never on tensor values, so it traces into a graph."""
+
+
 def update_state(state: ScalerState, isfinite: Tensor, config: DLSConfig) -> ScalerState:
     """One scale update after an iteration; ``isfinite`` is a 0-d bool tensor.
 
     A static or disabled configuration leaves the state unchanged (no check, no skipping).
+    The policy's rule (``_UPDATE_RULES``) moves the scale and its counters; then the scale is
+    capped and floored and the skip and floor counters advance, the same for every policy.
     """
     if not config.dynamic:
         return state
     ok = isfinite.to(torch.bool)
     bad = ~ok
-    f = ok.to(torch.int64)
-    zero = torch.zeros_like(state.steps_since_rescale)
-    scale = state.loss_scale
-    steps = state.steps_since_rescale
-    ovf = state.overflows_since_rescale
-    hyst = state.hysteresis
-    growth, backoff, interval = _f32(config.growth), _f32(config.backoff), config.growth_interval
-
-    if config.policy == "cerebras":
-        steps = steps + 1
-        ovf = ovf + (1 - f)
-        ratio = ovf.to(torch.float32) / steps.to(torch.float32)
-        shrink = ratio > _f32(config.tolerance)
-        scale = torch.where(shrink, scale * backoff, scale)
-        steps = torch.where(shrink, zero, steps)
-        ovf = torch.where(shrink, zero, ovf)
-        grow = steps > interval
-        scale = torch.where(grow, scale * growth, scale)
-        steps = torch.where(grow, zero, steps)
-        ovf = torch.where(grow, zero, ovf)
-    elif config.policy in ("torch", "keras"):
-        scale = torch.where(bad, scale * backoff, scale)
-        steps = torch.where(bad, zero, steps + 1)
-        grow = steps == interval
-        grown = scale * growth
-        if config.policy == "torch":
-            # torch refuses a growth that would overflow float32
-            grow_ok = grow & torch.isfinite(grown)
-        else:
-            grow_ok = grow
-        scale = torch.where(grow_ok, grown, scale)
-        steps = torch.where(grow, zero, steps)
-    elif config.policy == "deepspeed":
-        full = torch.full_like(hyst, config.hysteresis_steps)
-        at_last = hyst <= 1
-        scale = torch.where(bad & at_last, scale * backoff, scale)
-        hyst = torch.where(bad & ~at_last, hyst - 1, hyst)
-        steps = torch.where(bad, zero, steps + 1)
-        if config.consecutive_hysteresis:
-            hyst = torch.where(ok, full, hyst)
-        grow = ok & (steps == interval)
-        scale = torch.where(grow, scale * growth, scale)
-        steps = torch.where(grow, zero, steps)
-        if not config.consecutive_hysteresis:
-            hyst = torch.where(grow, full, hyst)
-    elif config.policy == "megatron":
-        full = torch.full_like(hyst, config.hysteresis_steps)
-        # Megatron lets the tracker go negative; clamping at 0 backs off identically (h <= 0)
-        # and keeps every counter non-negative.
-        hyst = torch.where(bad, torch.clamp(hyst - 1, min=0), hyst)
-        scale = torch.where(bad & (hyst <= 0), scale * backoff, scale)
-        steps = torch.where(bad, zero, steps + 1)
-        grow = ok & (steps == interval)
-        scale = torch.where(grow, scale * growth, scale)
-        steps = torch.where(grow, zero, steps)
-        hyst = torch.where(grow, full, hyst)
-    else:  # pragma: no cover - DLSConfig validates the policy
-        raise ValueError(config.policy)
-
-    pre = torch.clamp(scale, max=_f32(config.max_scale))
+    ruled = _UPDATE_RULES[config.policy](state, ok, config)
+    pre = torch.clamp(ruled.loss_scale, max=_f32(config.max_scale))
     new_scale = torch.clamp(pre, min=_f32(config.min_scale))
     floor_hit = bad & (pre < _f32(config.min_scale))
     return ScalerState(
         loss_scale=new_scale,
-        steps_since_rescale=steps,
-        overflows_since_rescale=ovf,
-        num_skipped_steps=state.num_skipped_steps + (1 - f),
-        hysteresis=hyst,
+        steps_since_rescale=ruled.steps_since_rescale,
+        overflows_since_rescale=ruled.overflows_since_rescale,
+        num_skipped_steps=state.num_skipped_steps + (1 - ok.to(torch.int64)),
+        hysteresis=ruled.hysteresis,
         non_clamped_scale=pre,
         floor_overflows=state.floor_overflows + floor_hit.to(torch.int64),
     )

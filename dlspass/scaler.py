@@ -62,7 +62,7 @@ from torch import Tensor
 
 from dlspass import distributed, scale_policy
 from dlspass.config import FLOAT32_MAX, ConfigError, DLSConfig
-from dlspass.errors import DLSInputError, DLSPassError
+from dlspass.errors import DLSInputError
 from dlspass.scale_policy import (
     STATE_DTYPES,
     STATE_FIELDS,
@@ -89,8 +89,11 @@ class ScaleFloorWarning(RuntimeWarning):
     """The loss scale keeps hitting ``min_loss_scale`` while gradients still overflow."""
 
 
-class ScaleFloorError(DLSPassError, RuntimeError):
-    """Raised instead of `ScaleFloorWarning` when ``on_scale_floor="raise"``."""
+class ScaleFloorError(DLSInputError, RuntimeError):
+    """Raised instead of `ScaleFloorWarning` when ``on_scale_floor="raise"``.
+
+    An input error: the model, its data or ``min_loss_scale`` keeps overflowing at the floor,
+    not a fault in dlspass."""
 
 
 class ScalerStateError(DLSInputError, ValueError):

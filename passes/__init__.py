@@ -9,22 +9,25 @@ Order (one pass per file, ``VerbNounPass`` in ``verb_noun_pass.py``):
 5. ``GuardUpdatesPass``    params and optimizer state: ``where(isfinite, new, old)`` (dynamic)
 6. ``UpdateScalePass``     scaler-state outputs = ``update_state(state, isfinite)`` (dynamic)
 
-then ``dlspass.graph.invariants.verify``. The config is recorded as JSON on the output node
-(``meta["custom"]["dlspass_config"]``; also on the seed node, whose meta survives
-``torch.export``, which rebuilds the output node), which makes the pipeline idempotent and lets it refuse
-a graph already rewritten with a different config.
+then ``dlspass.graph.invariants.verify``. A pass that does not apply records why
+(``skip_reasons``, shown by ``dlspass inspect``); ``log`` (this module's logger) tells at DEBUG,
+per pass, the nodes it added and removed or why it skipped. The config is recorded as JSON on
+the output node (``meta["custom"]["dlspass_config"]``; also on the seed node, whose meta
+survives ``torch.export``, which rebuilds the output node), which makes the pipeline idempotent
+and lets it refuse a graph already rewritten with a different config.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 import torch.fx as fx
-from torch.fx.passes.infra.pass_manager import PassManager
 
-from dlspass.config import DLSConfig
+from dlspass.config import PRECISION_MODES, ConfigError, DLSConfig, PrecisionMode
 from dlspass.graph import roles
-from dlspass.passes.base import APPLIED_KEY, DLSPass, PassContractError, applied_passes
+from dlspass.graph.roles import APPLIED_KEY, CONFIG_KEY, MODE_KEY
+from dlspass.passes.base import DLSPass, PassContractError, applied_passes, skip_reasons
 from dlspass.passes.clip_grad_norm_pass import ClipGradNormPass
 from dlspass.passes.guard_updates_pass import GuardUpdatesPass
 from dlspass.passes.lower_precision_pass import LowerPrecisionPass
@@ -32,7 +35,7 @@ from dlspass.passes.scale_seed_pass import ScaleSeedPass
 from dlspass.passes.unscale_grads_pass import UnscaleGradsPass
 from dlspass.passes.update_scale_pass import UpdateScalePass
 
-CONFIG_KEY, MODE_KEY = roles.CONFIG_KEY, roles.MODE_KEY
+log = logging.getLogger(__name__)
 
 PASSES = {p.name: p for p in (LowerPrecisionPass, ScaleSeedPass, UnscaleGradsPass,
                               ClipGradNormPass, GuardUpdatesPass, UpdateScalePass)}
@@ -41,11 +44,11 @@ __all__ = [
     "APPLIED_KEY", "CONFIG_KEY", "PASSES", "ClipGradNormPass", "DLSPass", "GuardUpdatesPass",
     "LowerPrecisionPass", "PassContractError", "ScaleSeedPass", "UnscaleGradsPass",
     "UpdateScalePass", "apply_dls", "applied_passes", "check_graph", "default_passes",
-    "recorded_config",
+    "recorded_config", "run_passes", "skip_reasons",
 ]
 
 
-def default_passes(config: DLSConfig | None, precision_mode: str = "emulate") -> list[DLSPass]:
+def default_passes(config: DLSConfig | None, precision_mode: PrecisionMode = "emulate") -> list[DLSPass]:
     """The passes ``apply_dls`` runs for ``config``, in order."""
     passes: list[DLSPass] = []
     if config is not None and config.mixed_precision:
@@ -77,44 +80,69 @@ def _config_json(config: DLSConfig | None) -> str:
     return json.dumps(None if config is None else config.to_dict(), sort_keys=True)
 
 
-def _recorded(graph: fx.Graph, key: str) -> str | None:
-    # torch.export rebuilds the output node but keeps the seed node's meta["custom"]
-    for node in (graph.output_node(), *roles.nodes_with_role(graph, roles.SEED)):
-        raw = node.meta.get("custom", {}).get(key)
-        if raw is not None:
-            return raw
-    return None
-
-
 def recorded_config(gm: fx.GraphModule) -> DLSConfig | None:
     """The config ``apply_dls`` recorded on ``gm`` (None when none or no config was given)."""
-    raw = _recorded(gm.graph, CONFIG_KEY)
+    raw = roles.recorded(gm.graph, CONFIG_KEY)
     if raw is None:
         return None
     data = json.loads(raw)
     return None if data is None else DLSConfig(**data)
 
 
+def run_passes(gm: fx.GraphModule, passes: list[DLSPass]) -> fx.GraphModule:
+    """Run ``passes`` in order on ``gm``, checking the graph before the first and after each.
+
+    A plain loop rather than torch's ``PassManager``, which re-raises any error inside a pass
+    as a bare ``Exception`` and so hides the ``PassContractError`` (or ``ConfigError``) a
+    caller is told to expect.
+    """
+    check_graph(gm)
+    for p in passes:
+        before = set(gm.graph.nodes) if log.isEnabledFor(logging.DEBUG) else None
+        result = p(gm)
+        gm = result.graph_module
+        gm.recompile()
+        check_graph(gm)
+        if before is not None:
+            _log_pass(p, gm, before)
+    return gm
+
+
+def _log_pass(p: DLSPass, gm: fx.GraphModule, before: set[fx.Node]) -> None:
+    after = set(gm.graph.nodes)
+    why = skip_reasons(gm.graph).get(p.name) if p.name not in applied_passes(gm.graph) else None
+    if why is not None:
+        log.debug("%s: skipped (%s)", p.name, why)
+        return
+    added = sorted(n.name for n in after - before)
+    removed = sorted(n.name for n in before - after)
+    log.debug("%s: added %d nodes %s, removed %d nodes %s", p.name, len(added), added,
+              len(removed), removed)
+
+
 def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
-              precision_mode: str = "emulate") -> fx.GraphModule:
+              precision_mode: PrecisionMode = "emulate") -> fx.GraphModule:
     """Rewrite the captured step ``gm`` in place for ``config`` and return it, verified.
 
     ``config=None`` changes nothing; a config with scaling off (``loss_scale=None``, bfloat16)
     only lowers precision when ``mixed_precision`` is set; a static scale inserts seed scaling
-    and unscaling but no check, guard or state update. Applying it again with the same config
-    leaves the graph unchanged; a graph rewritten with a different config is an error.
+    and unscaling but no check, guard or state update. Each pass that leaves the graph alone
+    records why (``skip_reasons``). Applying it again with the same config leaves the graph
+    unchanged; a graph rewritten with a different config is a ``PassContractError``, as is a
+    graph without the step roles; a bad ``precision_mode`` is a ``ConfigError``.
 
     Example:
         >>> gm = apply_dls(gm, DLSConfig(loss_scale="dynamic"))  # doctest: +SKIP
     """
     from dlspass.graph.invariants import verify
 
-    if precision_mode not in ("emulate", "native"):
-        raise ValueError(f"precision_mode: expected 'emulate' or 'native', got {precision_mode!r}")
+    if precision_mode not in PRECISION_MODES:
+        raise ConfigError(f"precision_mode: expected one of {', '.join(PRECISION_MODES)}, "
+                          f"got {precision_mode!r}")
     want = _config_json(config)
-    have = _recorded(gm.graph, CONFIG_KEY)
+    have = roles.recorded(gm.graph, CONFIG_KEY)
     if have is not None:
-        have_mode = _recorded(gm.graph, MODE_KEY)
+        have_mode = roles.recorded(gm.graph, MODE_KEY)
         if have != want or have_mode != precision_mode:
             raise PassContractError(
                 f"this graph was already rewritten with config {have} (precision {have_mode}); "
@@ -123,9 +151,7 @@ def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
         return gm
     passes = default_passes(config, precision_mode)
     if passes:
-        pm = PassManager(passes=list(passes), run_checks_after_each_pass=True, steps=1)
-        pm.add_checks(check_graph)
-        gm = pm(gm).graph_module
+        gm = run_passes(gm, passes)
     for node in (gm.graph.output_node(), *roles.nodes_with_role(gm.graph, roles.SEED)):
         custom = node.meta.setdefault("custom", {})
         custom[CONFIG_KEY] = want

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import torch.fx as fx
-from torch.fx.passes.infra.pass_base import PassResult
 
 from dlspass import scale_policy
-from dlspass.config import DLSConfig
 from dlspass.graph import roles
 from dlspass.graph.splice import insertion_point, splice
 from dlspass.passes.base import (
@@ -17,6 +15,7 @@ from dlspass.passes.base import (
     global_node,
     grads,
     replace_uses,
+    scaling_off_reason,
 )
 
 # DLS bookkeeping that must keep reading the unclipped gradients (the check comes first)
@@ -28,17 +27,26 @@ class ClipGradNormPass(DLSPass):
 
     name = "clip_grad_norm"
 
-    def __init__(self, config: DLSConfig | None) -> None:
-        self.config = config
-
-    def _active(self, gm: fx.GraphModule) -> bool:
+    def skip_reason(self, gm: fx.GraphModule) -> str | None:
         c = self.config
-        return (c is not None and (c.max_gradient_norm is not None or c.max_gradient_value is not None)
-                and not self.applied(gm))
+        if c is None:
+            return "no DLS config"
+        if c.max_gradient_norm is None and c.max_gradient_value is None:
+            return "no max_gradient_norm or max_gradient_value: no clipping"
+        return None
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
-        if not self._active(gm):
-            return PassResult(gm, False)
+    def requires(self, gm: fx.GraphModule) -> None:
+        if not self.will_run(gm):
+            return
+        graph = gm.graph
+        if not roles.nodes_with_role(graph, roles.UNSCALE) and not grads(graph):
+            raise PassContractError("clip_grad_norm: the graph has no grad or unscale node to clip")
+        if scaling_off_reason(self.config) is None and not roles.nodes_with_role(graph, roles.UNSCALE):
+            # clipping the scaled gradients would clip at max_gradient_norm * loss_scale
+            raise PassContractError("clip_grad_norm: the config scales but the graph has no unscale "
+                                    "node; run unscale_grads first")
+
+    def rewrite(self, gm: fx.GraphModule) -> bool:
         config = self.config
         assert config is not None
         graph = gm.graph
@@ -69,8 +77,7 @@ class ClipGradNormPass(DLSPass):
         for g, c in zip(gnodes, clipped, strict=True):
             keep = {u for u in g.users if roles.role_of(u) in _CHECK_ROLES} | backward
             replace_uses(g, c, keep)
-        self.mark_applied(gm)
-        return PassResult(gm, True)
+        return True
 
     def ensures(self, gm: fx.GraphModule) -> None:
         backward = backward_nodes(gm.graph)

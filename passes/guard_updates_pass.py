@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.infra.pass_base import PassResult
 
 from dlspass.graph import roles
 from dlspass.graph.splice import splice
@@ -12,6 +11,8 @@ from dlspass.passes.base import (
     FlagConsumerPass,
     PassContractError,
     global_node,
+    no_check_reason,
+    outputs,
     placeholders_by_role,
     set_outputs,
 )
@@ -24,25 +25,22 @@ class GuardUpdatesPass(FlagConsumerPass):
 
     name = "guard_updates"
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
-        if not self._active(gm):
-            return PassResult(gm, False)
+    def rewrite(self, gm: fx.GraphModule) -> bool:
         graph = gm.graph
         isfinite = global_node(graph, roles.ISFINITE)
         olds_by_role = {r: placeholders_by_role(graph, r) for r in GUARDED.values()}
         positions, news, olds, targets = [], [], [], []
-        vals = roles.output_values(graph)
-        for i, (role, target) in enumerate(roles.output_roles(graph)):
+        for i, role, target, value in outputs(graph):
             if role not in GUARDED:
                 continue
             old = olds_by_role[GUARDED[role]].get(target)
             if old is None:
                 raise PassContractError(f"guard_updates: output {i} ({role} {target!r}) has no "
                                         f"matching {GUARDED[role]} placeholder")
-            if vals[i] is old:  # passed through unchanged: nothing to roll back
+            if value is old:  # passed through unchanged: nothing to roll back
                 continue
             positions.append(i)
-            news.append(vals[i])
+            news.append(value)
             olds.append(old)
             targets.append(target)
         if positions:
@@ -52,13 +50,11 @@ class GuardUpdatesPass(FlagConsumerPass):
                 [isfinite, *news, *olds], role=roles.GUARD, by_pass=self.name,
                 before=graph.output_node(), output_roles=[(roles.GUARD, t) for t in targets])
             set_outputs(graph, dict(zip(positions, guarded, strict=True)))
-        self.mark_applied(gm)
-        return PassResult(gm, True)
+        return True
 
     def ensures(self, gm: fx.GraphModule) -> None:
-        if self.config is None or not self.config.dynamic:
+        if no_check_reason(self.config) is not None:
             return
-        vals = roles.output_values(gm.graph)
-        for i, (role, target) in enumerate(roles.output_roles(gm.graph)):
-            if role in GUARDED and vals[i].op != "placeholder" and roles.role_of(vals[i]) != roles.GUARD:
+        for i, role, target, value in outputs(gm.graph):
+            if role in GUARDED and value.op != "placeholder" and roles.role_of(value) != roles.GUARD:
                 raise PassContractError(f"guard_updates: output {i} ({target!r}) is not guarded")

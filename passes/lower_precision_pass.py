@@ -6,8 +6,9 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.infra.pass_base import PassResult
 
+import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format, the emulation's op
+from dlspass.config import PRECISION_MODES, ConfigError, FP16Type, PrecisionMode
 from dlspass.graph import roles
 from dlspass.graph.splice import insert_op, set_fake_val
 from dlspass.passes.base import DLSPass, PassContractError
@@ -18,19 +19,7 @@ from dlspass.precision_policy import (
     PrecisionPolicy,
 )
 
-MODES = ("emulate", "native")
-
-
-def _round_op():
-    try:
-        import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format
-    except ImportError:
-        pass
-    ns = torch.ops.dlspass
-    if not hasattr(ns, "round_to_format"):
-        raise PassContractError("lower_precision: the dlspass::round_to_format op is not registered "
-                                "(dlspass.formats is missing)")
-    return ns.round_to_format.default
+_ROUND = torch.ops.dlspass.round_to_format.default
 
 
 def _is_f32(node: object) -> bool:
@@ -43,25 +32,36 @@ class LowerPrecisionPass(DLSPass):
 
     name = "lower_precision"
 
-    def __init__(self, fmt: str, mode: str = "emulate", policy: PrecisionPolicy | None = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"precision mode: expected one of {MODES}, got {mode!r}")
+    def __init__(self, fmt: FP16Type, mode: PrecisionMode = "emulate",
+                 policy: PrecisionPolicy | None = None) -> None:
+        # the format and mode come from the user (config, CLI flags): a wrong one is input
+        if mode not in PRECISION_MODES:
+            raise ConfigError(f"precision mode: expected one of {PRECISION_MODES}, got {mode!r}")
         if mode == "native" and fmt not in NATIVE_DTYPES:
-            raise ValueError(f"precision mode 'native' supports {sorted(NATIVE_DTYPES)}, not {fmt!r}; "
-                             "use mode='emulate'")
+            raise ConfigError(f"precision mode 'native' supports {sorted(NATIVE_DTYPES)}, not {fmt!r}; "
+                              "use mode='emulate'")
+        super().__init__(None)
         self.fmt = fmt
         self.mode = mode
         self.policy = policy or PrecisionPolicy(fmt)
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
-        if self.applied(gm):
-            return PassResult(gm, False)
-        graph = gm.graph
-        targets = [n for n in graph.nodes if n.op == "call_function" and self.policy.lowers(n.target)]
+    def _targets(self, graph: fx.Graph) -> list[fx.Node]:
+        return [n for n in graph.nodes if n.op == "call_function" and self.policy.lowers(n.target)]
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        if not self.will_run(gm):
+            return
+        # without its fake value an op's outputs (and their dtype) are unknown: they would
+        # silently stay in float32
+        bare = [op.name for op in self._targets(gm.graph) if "val" not in op.meta]
+        if bare:
+            raise PassContractError(f"lower_precision: ops {bare} have no fake value (meta['val'])")
+
+    def rewrite(self, gm: fx.GraphModule) -> bool:
+        targets = self._targets(gm.graph)
         lower = self._emulate if self.mode == "emulate" else self._native
-        lower(graph, targets)
-        self.mark_applied(gm)
-        return PassResult(gm, bool(targets))
+        lower(gm.graph, targets)
+        return bool(targets)
 
     def ensures(self, gm: fx.GraphModule) -> None:
         for op in gm.graph.nodes:
@@ -74,7 +74,6 @@ class LowerPrecisionPass(DLSPass):
 
     # -- emulate: fp32 containers holding values rounded to the format ------------------------
     def _emulate(self, graph: fx.Graph, targets: list[fx.Node]) -> None:
-        rnd = _round_op()
         rounded: dict[fx.Node, fx.Node] = {}
         known: dict[fx.Node, bool] = {}
 
@@ -99,12 +98,12 @@ class LowerPrecisionPass(DLSPass):
                     # t(w) in the forward and as w in the backward is rounded once, not twice
                     rounded[x] = self._replay_view(graph, x, round_input(x.args[0], op), op)
                 else:
-                    rounded[x] = insert_op(graph, rnd, (x, self.fmt, False, False), before=op,
+                    rounded[x] = insert_op(graph, _ROUND, (x, self.fmt, False, False), before=op,
                                            role=roles.CAST, by_pass=self.name)
             return rounded[x]
 
         def round_output(y: fx.Node) -> None:
-            r = insert_op(graph, rnd, (y, self.fmt, False, False), before=y.next, role=roles.CAST,
+            r = insert_op(graph, _ROUND, (y, self.fmt, False, False), before=y.next, role=roles.CAST,
                           by_pass=self.name)
             y.replace_all_uses_with(r, delete_user_cb=lambda u: u is not r)
             rounded[y] = r

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.infra.pass_base import PassResult
 
-from dlspass.config import DLSConfig
 from dlspass.graph import roles
 from dlspass.graph.splice import insert_op
-from dlspass.passes.base import DLSPass, PassContractError, scale_placeholder
+from dlspass.passes.base import DLSPass, PassContractError, scale_placeholder, scaling_off_reason
 
 
 class ScaleSeedPass(DLSPass):
@@ -17,29 +15,26 @@ class ScaleSeedPass(DLSPass):
 
     name = "scale_seed"
 
-    def __init__(self, config: DLSConfig | None) -> None:
-        self.config = config
+    def skip_reason(self, gm: fx.GraphModule) -> str | None:
+        return scaling_off_reason(self.config)
 
     def requires(self, gm: fx.GraphModule) -> None:
-        if self.config is None or not self.config.enabled or self.applied(gm):
+        if not self.will_run(gm):
             return
         if len(roles.nodes_with_role(gm.graph, roles.SEED)) != 1:
             raise PassContractError("scale_seed: the graph needs exactly one backward_seed node")
         scale_placeholder(gm.graph)
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
-        if self.config is None or not self.config.enabled or self.applied(gm):
-            return PassResult(gm, False)
+    def rewrite(self, gm: fx.GraphModule) -> bool:
         graph = gm.graph
         seed = roles.the_node(graph, roles.SEED)
         scaled = insert_op(graph, torch.ops.aten.mul.Tensor, (seed, scale_placeholder(graph)),
                            before=seed.next, role=roles.SCALED_SEED, by_pass=self.name)
         seed.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
-        self.mark_applied(gm)
-        return PassResult(gm, True)
+        return True
 
     def ensures(self, gm: fx.GraphModule) -> None:
-        if self.config is None or not self.config.enabled:
+        if scaling_off_reason(self.config) is not None:
             return
         seed = roles.the_node(gm.graph, roles.SEED)
         bad = [u.name for u in seed.users if roles.role_of(u) != roles.SCALED_SEED]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch.fx as fx
-from torch.fx.passes.infra.pass_base import PassResult
 
 from dlspass import scale_policy
 from dlspass.config import DLSConfig
@@ -17,6 +16,7 @@ from dlspass.passes.base import (
     grads,
     replace_uses,
     scale_placeholder,
+    scaling_off_reason,
 )
 
 
@@ -25,22 +25,17 @@ class UnscaleGradsPass(DLSPass):
 
     name = "unscale_grads"
 
-    def __init__(self, config: DLSConfig | None) -> None:
-        self.config = config
-
-    def _active(self, gm: fx.GraphModule) -> bool:
-        return self.config is not None and self.config.enabled and not self.applied(gm)
+    def skip_reason(self, gm: fx.GraphModule) -> str | None:
+        return scaling_off_reason(self.config)
 
     def requires(self, gm: fx.GraphModule) -> None:
-        if not self._active(gm):
+        if not self.will_run(gm):
             return
         if not grads(gm.graph):
             raise PassContractError("unscale_grads: the graph has no grad node")
         scale_placeholder(gm.graph)
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
-        if not self._active(gm):
-            return PassResult(gm, False)
+    def rewrite(self, gm: fx.GraphModule) -> bool:
         config = self.config
         assert config is not None
         graph = gm.graph
@@ -59,16 +54,14 @@ class UnscaleGradsPass(DLSPass):
             # the check reads the unscaled values: a scale large enough to overflow fp32 after
             # unscaling is caught here, not silently passed on (torch #99640's failure mode)
             internal = roles.GRAD_NORM if config.overflow_check == "global_norm" else roles.ISFINITE
-            outs = splice(
+            splice(
                 graph, lambda *us: _check(list(us), config), unscaled, role=internal,
                 by_pass=self.name,
                 output_roles=[(roles.ISFINITE, GLOBAL), (roles.GRAD_NORM, GLOBAL)])
-            del outs
-        self.mark_applied(gm)
-        return PassResult(gm, True)
+        return True
 
     def ensures(self, gm: fx.GraphModule) -> None:
-        if self.config is None or not self.config.enabled:
+        if scaling_off_reason(self.config) is not None:
             return
         backward = backward_nodes(gm.graph)
         for name, g in grads(gm.graph):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch.fx as fx
-from torch.fx.passes.infra.pass_base import PassResult
 
 from dlspass import scale_policy
 from dlspass.graph import roles
@@ -12,6 +11,8 @@ from dlspass.passes.base import (
     FlagConsumerPass,
     PassContractError,
     global_node,
+    no_check_reason,
+    outputs,
     placeholder,
     set_outputs,
 )
@@ -22,9 +23,7 @@ class UpdateScalePass(FlagConsumerPass):
 
     name = "update_scale"
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
-        if not self._active(gm):
-            return PassResult(gm, False)
+    def rewrite(self, gm: fx.GraphModule) -> bool:
         config = self.config
         assert config is not None
         graph = gm.graph
@@ -40,11 +39,22 @@ class UpdateScalePass(FlagConsumerPass):
                      output_roles=[(roles.SCALE_UPDATE, f) for f in fields])
         by_field = dict(zip(fields, new, strict=True))
         repl = {}
-        for i, (role, target) in enumerate(roles.output_roles(graph)):
+        for i, role, target, _ in outputs(graph):
             if role == roles.SCALER_STATE_UPDATE:
                 if target not in by_field:
                     raise PassContractError(f"update_scale: output {i} names unknown state field {target!r}")
                 repl[i] = by_field[target]
         set_outputs(graph, repl)
-        self.mark_applied(gm)
-        return PassResult(gm, True)
+        return True
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        if no_check_reason(self.config) is not None:
+            return
+        for i, role, target, v in outputs(gm.graph):
+            if role != roles.SCALER_STATE_UPDATE:
+                continue
+            # a field the policy leaves unchanged (cerebras' hysteresis) is its placeholder
+            want = roles.SCALER_STATE if v.op == "placeholder" else roles.SCALE_UPDATE
+            if roles.role_of(v) != want or roles.target_of(v) != target:
+                raise PassContractError(f"update_scale: output {i} ({target!r}) node {v.name!r} is not "
+                                        "the scale update of that state field")

@@ -1,7 +1,9 @@
 """The ``dlspass`` command line: a thin typer app; each command's body lives in its own module.
 
-Exit codes: 0 success, 1 verification failure, 2 bad input or usage, 3 internal error (a bug:
-the traceback is printed). Results go to stdout, progress and logs to stderr. Input errors are
+Exit codes by exception class: 0 success, 1 verification failure (``VerificationError`` from
+``dlspass verify``), 2 bad input or usage (a ``DLSInputError``, a file system refusal of a path
+the user named, or a usage error), 3 anything else: an internal error (a bug: the traceback is
+printed). Results go to stdout, progress and logs to stderr. Input errors are
 one line on stderr (``dlspass: error: ...``), never a traceback; ``DLSPASS_DEBUG=1`` re-raises.
 """
 
@@ -17,13 +19,17 @@ from typing import Annotated, Any
 
 import typer
 
+from dlspass.config import FP16_TYPES, PRECISION_MODES
 from dlspass.errors import DLSInputError
 from dlspass.files.bounded_text import excerpt, one_line
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
-# Exceptions that mean "the input is wrong": one line on stderr and exit 2. OSError covers
-# the file system's refusals (a name too long, a loop of links, no permission, a full disk).
-_BAD_INPUT = (DLSInputError, ValueError, OSError)  # ConfigError is a DLSInputError
+# Exceptions that mean "the input is wrong": one line on stderr and exit 2. Everything else,
+# a ValueError or TypeError included, is a bug in dlspass (exit 3): user input that dlspass
+# refuses raises a DLSInputError at its source. OSError stays here because the CLI's file
+# system work is on the user's paths (the input, the output, its folder): a name too long, a
+# loop of links, no permission or a full disk is about the file the user named.
+_BAD_INPUT = (DLSInputError, OSError)
 MAX_ERROR_CHARS = 600
 """Longest error line: messages quote input (names, values, paths), which may be huge."""
 
@@ -145,9 +151,6 @@ def _check_number(flag: str, value: float | None, *, positive: bool = False) -> 
         raise typer.BadParameter(f"expected {want}, got {value!r}", param_hint=flag)
 
 
-_FP16 = ["float16", "bfloat16", "cbfloat16"]
-
-
 def _quietly(fn: Any) -> Any:
     """Run a command with torch's logging and warnings silenced: stderr stays one line."""
     import functools
@@ -244,11 +247,11 @@ def transform(
     )
     from dlspass.config import DLSConfig
 
-    if fp16_type is not None and fp16_type not in _FP16:
-        raise typer.BadParameter(f"expected one of {', '.join(_FP16)}, got {excerpt(fp16_type)}",
+    if fp16_type is not None and fp16_type not in FP16_TYPES:
+        raise typer.BadParameter(f"expected one of {', '.join(FP16_TYPES)}, got {excerpt(fp16_type)}",
                                  param_hint="--fp16-type")
-    if precision_mode not in ("emulate", "native"):
-        raise typer.BadParameter(f"expected emulate or native, got {excerpt(precision_mode)}",
+    if precision_mode not in PRECISION_MODES:
+        raise typer.BadParameter(f"expected {' or '.join(PRECISION_MODES)}, got {excerpt(precision_mode)}",
                                  param_hint="--precision-mode")
     if rounding not in ("aten", "op"):
         raise typer.BadParameter(f"expected aten or op, got {rounding!r}", param_hint="--rounding")

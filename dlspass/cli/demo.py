@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dlspass.capture.exported import InputError
 from dlspass.models import TinyGPT, copy_task_batch, gpt_loss
 
 __all__ = ["cpp_compiler_available", "default_spikes", "emulate_format", "format_summary", "run_demo"]
@@ -146,18 +147,18 @@ def run_demo(steps: int = 100, seed: int = 0, out_dir: str | Path | None = None,
         0
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps: expected a positive integer, got {steps!r}")
+        raise InputError(f"steps: expected a positive integer, got {steps!r}")
     bad = [s for s in spikes if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= steps]
     if bad:
-        raise ValueError(f"spikes: expected steps between 1 and {steps}, got {bad[0]!r}")
+        raise InputError(f"spikes: expected steps between 1 and {steps}, got {bad[0]!r}")
     if backend_compiler not in ("eager", "inductor"):
-        raise ValueError(f"backend_compiler: expected 'eager' or 'inductor', got {backend_compiler!r}")
+        raise InputError(f"backend_compiler: expected 'eager' or 'inductor', got {backend_compiler!r}")
     if out_dir is not None:
         # Fail on an unusable output folder before training, not after it.
         try:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ValueError(f"out_dir: cannot create {str(out_dir)!r}: {exc.strerror} "
+            raise InputError(f"out_dir: cannot create {str(out_dir)!r}: {exc.strerror} "
                              f"({exc.filename})") from None
 
     threads = torch.get_num_threads()

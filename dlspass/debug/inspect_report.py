@@ -2,7 +2,7 @@
 
 ``summarize_file(path)`` reads a ``.pt2`` (joint program or dlspass step) or a ``.onnx`` and
 returns one JSON-serialisable report (``REPORT_SCHEMA``): op histogram, nodes each pass inserted,
-casts per dtype/format, the scaled region (nodes between the scaled seed and the unscale),
+the passes that skipped and why, casts per dtype/format, the scaled region (nodes between the scaled seed and the unscale),
 a roles table, the embedded DLS config and the graph itself (nodes and edges).
 ``render(report, fmt, other)`` draws it; ``other`` adds a before/after diff. The SVG is written
 here (networkx only computes the layout): no Graphviz, and the HTML is one offline file.
@@ -18,7 +18,7 @@ from typing import Any
 
 import networkx as nx
 
-from dlspass.files.bounded_text import printable
+from dlspass.files.bounded_text import one_line, printable
 from dlspass.graph import roles
 
 FORMATS = ("text", "json", "svg", "html")
@@ -41,7 +41,7 @@ REPORT_SCHEMA: dict[str, Any] = {
     "title": "dlspass inspect report",
     "type": "object",
     "required": ["schema", "file", "file_format", "kind", "config", "node_count", "op_histogram",
-                 "inserted_by_pass", "casts", "scaled_region", "roles", "graph"],
+                 "inserted_by_pass", "skipped_passes", "casts", "scaled_region", "roles", "graph"],
     "properties": {
         "schema": {"const": SCHEMA_ID},
         "file": {"type": "string"},
@@ -53,6 +53,7 @@ REPORT_SCHEMA: dict[str, Any] = {
         "node_count": {"type": "integer", "minimum": 0},
         "op_histogram": _COUNTS,
         "inserted_by_pass": _COUNTS,
+        "skipped_passes": {"type": "object", "additionalProperties": {"type": "string"}},
         "casts": _COUNTS,
         "scaled_region": {
             "type": "object", "required": ["size", "seed", "unscale"],
@@ -134,7 +135,28 @@ def _summarize_fx(gm: Any) -> dict[str, Any]:
             role_rows.append({"node": node.name, "role": role, "target": target, "pass": by})
         edges += [[inp.name, node.name] for inp in node.all_input_nodes]
     return {"nodes": nodes, "edges": edges, "roles": role_rows, "inserted": dict(inserted),
-            "casts": dict(casts), "hist": dict(hist), "region": _scaled_region(nodes, edges)}
+            "skipped": _skipped(graph), "casts": dict(casts), "hist": dict(hist),
+            "region": _scaled_region(nodes, edges)}
+
+
+_REASON_CHARS = 200
+
+
+def _skipped(graph: Any) -> dict[str, str]:
+    """``{pass: why it skipped}`` as apply_dls recorded it (on the seed node in a .pt2 file).
+
+    The record comes from the file: only a JSON object of strings is read, each reason cut to
+    one short line, and anything else is ignored, so a hand-edited graph cannot stop the report.
+    """
+    raw = roles.recorded(graph, roles.SKIPPED_KEY)
+    try:
+        data = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        return {}
+    return {one_line(k, _REASON_CHARS): one_line(v, _REASON_CHARS)
+            for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _scaled_region(nodes: list[dict], edges: list[list[str]]) -> dict[str, Any]:
@@ -208,7 +230,7 @@ def _summarize_onnx(path: Path) -> dict[str, Any]:
     return {"file_format": "onnx", "kind": "onnx", "meta": meta, "nodes": nodes, "edges": edges,
             # one entry per rounded value, by format (a cbfloat16 rounding is ~35 arithmetic
             # nodes and a float16 one a Cast pair, so node counts would mislead)
-            "roles": rows, "inserted": dict(inserted),
+            "roles": rows, "inserted": dict(inserted), "skipped": {},
             "casts": dict(Counter(t for r, t in out_roles.values() if r == roles.CAST)),
             "hist": dict(hist), "region": {"size": 0, "seed": None, "unscale": []}}
 
@@ -238,7 +260,8 @@ def _report(s: dict[str, Any], file: str) -> dict[str, Any]:
         "precision_mode": meta.get("precision_mode"),
         "node_count": sum(1 for n in s["nodes"] if n["op"] in ("call_function", "node")),
         "op_histogram": dict(sorted(s["hist"].items())),
-        "inserted_by_pass": s["inserted"], "casts": s["casts"], "scaled_region": s["region"],
+        "inserted_by_pass": s["inserted"], "skipped_passes": s["skipped"], "casts": s["casts"],
+        "scaled_region": s["region"],
         "roles": s["roles"], "graph": {"nodes": s["nodes"], "edges": s["edges"]},
     }
 
@@ -268,7 +291,9 @@ def render(report: dict[str, Any], fmt: str, other: dict[str, Any] | None = None
         return render_html(report)
     if fmt == "text":
         return render_text(report)
-    raise ValueError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    from dlspass.capture.exported import InputError
+
+    raise InputError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
 def render_text(r: dict[str, Any]) -> str:
@@ -278,6 +303,7 @@ def render_text(r: dict[str, Any]) -> str:
     if r.get("optimizer"):
         lines.append("optimizer: " + json.dumps(r["optimizer"], sort_keys=True))
     lines.append("inserted by pass: " + (", ".join(f"{k} {v}" for k, v in r["inserted_by_pass"].items()) or "none"))
+    lines += [f"skipped: {k} ({v})" for k, v in sorted(r["skipped_passes"].items())]
     lines.append("casts: " + (", ".join(f"{k} {v}" for k, v in sorted(r["casts"].items())) or "none"))
     reg = r["scaled_region"]
     lines.append(f"scaled region: {reg['size']} nodes from {reg['seed']} to {len(reg['unscale'])} unscale nodes")
@@ -385,6 +411,7 @@ def render_html(r: dict[str, Any]) -> str:
         ["DLS config", json.dumps(r["config"], sort_keys=True) if r["config"] else "none"],
         ["optimizer", json.dumps(r.get("optimizer"), sort_keys=True) if r.get("optimizer") else "none"],
         ["inserted by pass", ", ".join(f"{k}: {v}" for k, v in r["inserted_by_pass"].items()) or "none"],
+        ["skipped passes", "; ".join(f"{k}: {v}" for k, v in sorted(r["skipped_passes"].items())) or "none"],
         ["casts", ", ".join(f"{k}: {v}" for k, v in sorted(r["casts"].items())) or "none"],
         ["scaled region", f"{r['scaled_region']['size']} nodes from {r['scaled_region']['seed']}"],
     ], "summary")

@@ -24,21 +24,23 @@ import torch
 import torch.fx as fx
 
 from dlspass.config import DLSConfig
-from dlspass.errors import DLSPassError
+from dlspass.errors import DLSInternalError
 from dlspass.graph import roles
 
-CONFIG_KEY, GUARDED = roles.CONFIG_KEY, roles.GUARDED_UPDATES
+GUARDED = roles.GUARDED_UPDATES
 
 
-class VerificationError(DLSPassError):
-    """A DLS invariant does not hold; the message names the offending node."""
+class VerificationError(DLSInternalError):
+    """A DLS invariant does not hold; the message names the offending node.
+
+    Internal: after ``apply_dls`` it means a pass broke its contract. ``dlspass verify FILE``
+    reports it as the command's result (exit 1).
+    """
 
 
 def _config_of(graph: fx.Graph) -> tuple[bool, bool]:
     """``(enabled, dynamic)`` from the recorded config, else from the nodes present."""
-    raw = None
-    for node in (graph.output_node(), *roles.nodes_with_role(graph, roles.SEED)):
-        raw = raw or node.meta.get("custom", {}).get(CONFIG_KEY)
+    raw = roles.recorded(graph, roles.CONFIG_KEY)
     if raw is not None:
         data = json.loads(raw)
         if data is None:

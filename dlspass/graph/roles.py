@@ -22,8 +22,11 @@ backward produced it, carries GRAD with the parameter's name as target.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch.fx as fx
+
+from dlspass.errors import GraphContractError
 
 ROLE_KEY = "dlspass_role"
 TARGET_KEY = "dlspass_target"
@@ -66,10 +69,12 @@ GUARDED_UPDATES = {PARAM_UPDATE: PARAM, OPT_STATE_UPDATE: OPT_STATE}
 
 # metadata keys beside the node roles: on the output node (and the seed, whose meta survives
 # torch.export) ``apply_dls`` records its config, precision mode and applied passes; ONNX
-# models carry the roles of their values as JSON in ``metadata_props[ONNX_ROLES_KEY]``
+# models carry the roles of their values as JSON in ``metadata_props[ONNX_ROLES_KEY]``.
+# They are JSON strings or lists of names, which .pt2 files keep.
 CONFIG_KEY = "dlspass_config"
 MODE_KEY = "dlspass_precision_mode"
 APPLIED_KEY = "dlspass_applied"
+SKIPPED_KEY = "dlspass_skipped"  # {pass name: why it did nothing}
 ONNX_ROLES_KEY = "dlspass_roles"
 
 
@@ -105,7 +110,7 @@ def the_node(graph: fx.Graph, role: str) -> fx.Node:
     """The single node with ``role``; a clear error when there is none or several."""
     found = nodes_with_role(graph, role)
     if len(found) != 1:
-        raise ValueError(f"expected exactly one node with role {role!r}, found {len(found)}")
+        raise GraphContractError(f"expected exactly one node with role {role!r}, found {len(found)}")
     return found[0]
 
 
@@ -132,7 +137,20 @@ def output_value(graph: fx.Graph, role: str, target: str | None = None) -> tuple
     for i, (r, t) in enumerate(output_roles(graph)):
         if r == role and (target is None or t == target):
             return i, vals[i]
-    raise KeyError(f"no output with role {role!r} and target {target!r}")
+    raise GraphContractError(f"no output with role {role!r} and target {target!r}")
+
+
+def recorded(graph: fx.Graph, key: str) -> Any:
+    """The value apply_dls recorded under ``key``: on the output node, else on the seed node.
+
+    Recorded twice because ``torch.export`` rebuilds the output node (losing its meta) but keeps
+    the seed node's ``meta["custom"]``.
+    """
+    for node in (graph.output_node(), *nodes_with_role(graph, SEED)):
+        value = node.meta.get("custom", {}).get(key)
+        if value is not None:
+            return value
+    return None
 
 
 def output_values(graph: fx.Graph) -> list[fx.Node]:

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
 from stepgraph import cnn_step, mlp_step, reference_step, run
 
-from dlspass.config import DLSConfig
+from dlspass.config import ConfigError, DLSConfig
 from dlspass.graph import roles
-from dlspass.passes import PassContractError, applied_passes, apply_dls, recorded_config
+from dlspass.passes import (
+    PassContractError,
+    applied_passes,
+    apply_dls,
+    recorded_config,
+    skip_reasons,
+)
 from dlspass.scale_policy import ScalerState
 
 FP32 = DLSConfig(mixed_precision=False, initial_loss_scale=1024.0, steps_per_increase=2)
@@ -123,8 +130,69 @@ def test_input_graph_without_roles_is_rejected() -> None:
     gm = copy.deepcopy(mlp_step().gm)
     for n in gm.graph.nodes:
         n.meta.get("custom", {}).pop("dlspass_role", None)
-    with pytest.raises(Exception, match="backward_seed"):
+    with pytest.raises(PassContractError, match="backward_seed"):
         apply_dls(gm, DLSConfig())
+
+
+def test_a_contract_error_inside_a_pass_reaches_the_caller_as_itself() -> None:
+    # torch's PassManager would re-raise it as a bare Exception naming the pass
+    cfg = DLSConfig(mixed_precision=False)
+    gm = copy.deepcopy(mlp_step(cfg).gm)
+    for n in gm.graph.find_nodes(op="placeholder"):
+        if roles.target_of(n) == "loss_scale":
+            n.meta["custom"]["dlspass_target"] = "renamed"
+    with pytest.raises(PassContractError, match="scale_seed|no scaler_state placeholder for 'loss_scale'"):
+        apply_dls(gm, cfg)
+
+
+def test_bad_precision_mode_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="precision_mode"):
+        apply_dls(mlp_step().gm, DLSConfig(), precision_mode="fast")
+
+
+@pytest.mark.parametrize(("cfg", "want"), [
+    (DLSConfig(loss_scale=128.0, mixed_precision=False),
+     {"clip_grad_norm": "no max_gradient_norm or max_gradient_value: no clipping",
+      "guard_updates": "static scale: no overflow check",
+      "update_scale": "static scale: no overflow check"}),
+    (DLSConfig(fp16_type="bfloat16", max_gradient_norm=1.0),
+     {p: "bfloat16: scaling off" for p in ("scale_seed", "unscale_grads", "guard_updates",
+                                            "update_scale")}),
+    (DLSConfig(max_gradient_value=1.0, mixed_precision=False), {}),
+], ids=["static", "bfloat16", "dynamic"])
+def test_each_skipped_pass_records_why_where_export_and_inspect_find_it(cfg, want) -> None:
+    from dlspass.debug.inspect_report import render, summarize_graph
+
+    step = mlp_step(cfg)
+    gm = apply_dls(step.gm, cfg)
+    assert skip_reasons(gm.graph) == want
+    assert not set(want) & set(applied_passes(gm.graph))
+    # torch.export rebuilds the output node; the seed node keeps the record
+    ep = torch.export.export(gm, tuple(step.inputs()), strict=False)
+    assert skip_reasons(ep.graph_module.graph) == want
+    report = summarize_graph(gm)
+    assert report["skipped_passes"] == want
+    text = render(report, "text")
+    for name, why in want.items():
+        assert f"skipped: {name} ({why})" in text
+
+
+def test_debug_log_names_each_pass_its_new_nodes_and_skip_reasons(caplog) -> None:
+    cfg = DLSConfig(loss_scale=128.0, mixed_precision=False)
+    with caplog.at_level(logging.DEBUG, logger="dlspass.passes"):
+        gm = apply_dls(mlp_step(cfg).gm, cfg)
+    lines = {r.getMessage().split(":")[0]: r.getMessage() for r in caplog.records
+             if r.name == "dlspass.passes"}
+    assert lines["guard_updates"] == "guard_updates: skipped (static scale: no overflow check)"
+    scaled = roles.the_node(gm.graph, roles.SCALED_SEED)
+    assert lines["scale_seed"] == f"scale_seed: added 1 nodes {[scaled.name]}, removed 0 nodes []"
+    unscale = sorted(n.name for n in gm.graph.nodes if roles.pass_of(n) == "unscale_grads")
+    assert lines["unscale_grads"].startswith(f"unscale_grads: added {len(unscale)} nodes {unscale}")
+    # at INFO nothing is computed or logged
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dlspass.passes"):
+        apply_dls(mlp_step(cfg).gm, cfg)
+    assert not [r for r in caplog.records if r.name == "dlspass.passes"]
 
 
 def test_real_capture_adam_overflow_skips_bit_identically() -> None:
