@@ -183,10 +183,7 @@ def unscale(grads: Sequence[Tensor], loss_scale: Tensor) -> list[Tensor]:
 
 def global_norm(grads: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:
     """``sqrt(sum over grads of sum(g*g))`` in float32; inf/NaN carry through."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    total = torch.stack([torch.sum(g.to(torch.float32) * g.to(torch.float32)) for g in grads]).sum()
-    return torch.sqrt(total)
+    return torch.sqrt(sum_squares(grads, device))
 
 
 def all_finite(grads: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:

@@ -8,7 +8,6 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 from torch._guards import detect_fake_mode
-from torch.fx.passes.infra.pass_base import PassResult
 
 from dlspass import scale_policy
 from dlspass.config import ConfigError, DLSConfig
@@ -44,9 +43,7 @@ class ScaleBackwardPass(DLSPass):
     def __init__(self, config: DLSConfig) -> None:
         self.config = dataclasses.replace(config, max_gradient_norm=None, max_gradient_value=None)
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
-        if self.applied(gm):
-            return PassResult(gm, False)
+    def rewrite(self, gm: fx.GraphModule) -> bool:
         graph = gm.graph
         placeholders = graph.find_nodes(op="placeholder")
         tangents = [n for n in placeholders if n.name.startswith("tangents") and _is_float(n)]
@@ -80,10 +77,9 @@ class ScaleBackwardPass(DLSPass):
         for i, u in zip(idx, unscaled, strict=True):
             vals[i] = u
         out.args = ((*vals, isfinite),)
-        self.mark_applied(gm)
         graph.lint()
         gm.recompile()
-        return PassResult(gm, True)
+        return True
 
     def ensures(self, gm: fx.GraphModule) -> None:
         graph = gm.graph

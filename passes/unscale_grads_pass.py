@@ -42,14 +42,12 @@ class UnscaleGradsPass(DLSPass):
         found = grads(graph)
         names = [t for t, _ in found]
         gnodes = [g for _, g in found]
-        existing = set(graph.nodes)
         backward = backward_nodes(graph)
         unscaled = splice(
             graph, lambda s, *gs: scale_policy.unscale(gs, s), [scale_placeholder(graph), *gnodes],
             role=roles.UNSCALE, by_pass=self.name, output_roles=[(roles.UNSCALE, t) for t in names])
-        new = set(graph.nodes) - existing
         for g, u in zip(gnodes, unscaled, strict=True):
-            replace_uses(g, u, new | backward)  # the backward keeps the scaled gradient
+            replace_uses(g, u, set(unscaled.inserted) | backward)  # the backward keeps the scaled gradient
         if config.dynamic:
             # the check reads the unscaled values: a scale large enough to overflow fp32 after
             # unscaling is caught here, not silently passed on (torch #99640's failure mode)
