@@ -29,6 +29,18 @@ class DLSInternalError(DLSPassError):
     """A dlspass contract broke: a bug in dlspass or in a user pass (CLI exit code 3)."""
 
 
+class InputValueError(DLSInputError, ValueError):
+    """A value the caller passed is out of range or inconsistent with another one."""
+
+
+class InputTypeError(DLSInputError, TypeError):
+    """The caller passed an object of a type dlspass does not take there."""
+
+
+class InputKeyError(DLSInputError, KeyError):
+    """An entry the caller's state (optimizer state, a state_dict) should hold is missing."""
+
+
 class GraphContractError(DLSInternalError, RuntimeError):
     """A step graph lacks what its contract promises (a role, an output); the message names it.
 

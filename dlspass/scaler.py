@@ -62,7 +62,7 @@ from torch import Tensor
 
 from dlspass import distributed, scale_policy
 from dlspass.config import FLOAT32_MAX, ConfigError, DLSConfig
-from dlspass.errors import DLSInputError
+from dlspass.errors import DLSInputError, InputTypeError, InputValueError
 from dlspass.scale_policy import (
     STATE_DTYPES,
     STATE_FIELDS,
@@ -94,6 +94,16 @@ class ScaleFloorError(DLSInputError, RuntimeError):
 
     An input error: the model, its data or ``min_loss_scale`` keeps overflowing at the floor,
     not a fault in dlspass."""
+
+
+class ScalerUsageError(DLSInputError, RuntimeError):
+    """A scaler method called out of order (``unscale_`` twice in a step, ``step`` after
+    ``step``), with torch.amp's message and builtin type."""
+
+
+class ScalerAssertionError(DLSInputError, AssertionError):
+    """The cases ``torch.amp.GradScaler`` reports with ``AssertionError`` (``TorchGradScaler``
+    keeps the type, so code and tests written for torch catch it)."""
 
 
 class ScalerStateError(DLSInputError, ValueError):
@@ -199,7 +209,7 @@ def _map_tensors(obj: Any, fn: Any) -> Any:
         return type(obj)(*(_map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(v, fn) for v in obj)
-    raise TypeError(f"scale(): expected a tensor or a (nested) list/tuple/dict of tensors, "
+    raise InputTypeError(f"scale(): expected a tensor or a (nested) list/tuple/dict of tensors, "
                     f"got {type(obj).__name__}")
 
 
@@ -209,7 +219,7 @@ def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[Tensor]:
         for p in group["params"]:
             if p.grad is not None:
                 if p.grad.is_sparse:
-                    raise RuntimeError("dlspass.GradScaler: sparse gradients are not supported")
+                    raise ScalerUsageError("dlspass.GradScaler: sparse gradients are not supported")
                 out.append(p)
     return out
 
@@ -251,7 +261,7 @@ class GradScaler:
         process_group: Any = None,
     ) -> None:
         if init_scale is not None and initial_loss_scale is not None:
-            raise ValueError("init_scale and initial_loss_scale are aliases: give only one")
+            raise InputValueError("init_scale and initial_loss_scale are aliases: give only one")
         if init_scale is None:
             init_scale = initial_loss_scale
         if config is not None:
@@ -268,10 +278,10 @@ class GradScaler:
             }
             both = [k for k, v in given.items() if v]
             if both:
-                raise ValueError(f"config= and keyword settings are alternatives; got both "
+                raise InputValueError(f"config= and keyword settings are alternatives; got both "
                                  f"(config and {', '.join(both)})")
             if not isinstance(config, DLSConfig):
-                raise TypeError(f"config: expected a DLSConfig, got {type(config).__name__}")
+                raise InputTypeError(f"config: expected a DLSConfig, got {type(config).__name__}")
         else:
             config = DLSConfig(
                 loss_scale=loss_scale, initial_loss_scale=init_scale,
@@ -368,10 +378,10 @@ class GradScaler:
         """
         rec = self._record(optimizer)
         if rec["stage"] == _UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the "
+            raise ScalerUsageError("unscale_() has already been called on this optimizer since the "
                                "last update()")
         if rec["stage"] == _STEPPED:
-            raise RuntimeError("unscale_() is being called after step(); call it before "
+            raise ScalerUsageError("unscale_() is being called after step(); call it before "
                                "step(), once per optimizer per iteration")
         rec["stage"] = _UNSCALED
         device = self.state.loss_scale.device
@@ -443,11 +453,11 @@ class GradScaler:
         """
         closure = kwargs.get("closure", args[0] if args and callable(args[0]) else None)
         if closure is not None and self._active_config.dynamic:
-            raise RuntimeError("dlspass.GradScaler.step: closures are not supported with "
+            raise ScalerUsageError("dlspass.GradScaler.step: closures are not supported with "
                                "dynamic loss scaling")
         rec = self._record(optimizer)
         if rec["stage"] == _STEPPED:
-            raise RuntimeError("step() has already been called on this optimizer since the last "
+            raise ScalerUsageError("step() has already been called on this optimizer since the last "
                                "update()")
         if rec["stage"] is None:
             self.unscale_(optimizer)
@@ -541,7 +551,7 @@ class GradScaler:
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Advance the scale once for the iteration (all optimizers stepped since the last one)."""
         if new_scale is not None and self._active_config.policy == "cerebras":
-            raise RuntimeError("update(new_scale) is not supported in the cerebras policy: the "
+            raise ScalerUsageError("update(new_scale) is not supported in the cerebras policy: the "
                                "scale follows the policy (construct with loss_scale=<number> "
                                "for a static scale)")
         flags = [r["isfinite"] for r in self._per_opt.values() if r["isfinite"] is not None]
@@ -551,7 +561,7 @@ class GradScaler:
         if not self._active_config.enabled:
             return
         if not flags:
-            raise RuntimeError("update(): no optimizer was unscaled or stepped since the last "
+            raise ScalerUsageError("update(): no optimizer was unscaled or stepped since the last "
                                "update()")
         ok = flags[0] if len(flags) == 1 else torch.stack(flags).all()
         self._found_inf = ~ok
@@ -849,9 +859,9 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
             enabled = False
         if enabled:  # torch's own checks, with its exception type
             if growth_factor <= 1.0:
-                raise AssertionError("The growth factor must be > 1.0.")
+                raise ScalerAssertionError("The growth factor must be > 1.0.")
             if backoff_factor >= 1.0:
-                raise AssertionError("The backoff factor must be < 1.0.")
+                raise ScalerAssertionError("The backoff factor must be < 1.0.")
         checked_scale("init_scale", init_scale, ConfigError)
         self._amp_device = device
         self._amp_initialized = False  # torch sets its scale up in the first scale()
@@ -874,7 +884,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
         if not self._amp_initialized:
-            raise AssertionError(
+            raise ScalerAssertionError(
                 f"Attempted {funcname} but _scale is None.  This may indicate your script did "
                 f"not use scaler.scale(loss or outputs) earlier in the iteration.")
         return self.state.loss_scale, self.state.steps_since_rescale
@@ -922,7 +932,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
                 if isinstance(val, (list, tuple)):
                     return type(val)(iterable)
                 return iterable
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+            raise InputValueError("outputs must be a Tensor or an iterable of Tensors")
 
         return apply_scale(outputs)
 
@@ -937,10 +947,10 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         self._check_scale_growth_tracker("unscale_")
         rec = self._record(optimizer)
         if rec["stage"] == _UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the "
+            raise ScalerUsageError("unscale_() has already been called on this optimizer since the "
                                "last update().")
         if rec["stage"] == _STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
+            raise ScalerUsageError("unscale_() is being called after step().")
         rec["found_inf_per_device"] = self._found_infs(optimizer)
         rec["stage"] = _UNSCALED
 
@@ -966,17 +976,17 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         if not self.is_enabled():
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
-            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+            raise ScalerUsageError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
         rec = self._record(optimizer)
         if rec["stage"] == _STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+            raise ScalerUsageError("step() has already been called since the last update().")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._amp_scaling_step(optimizer, rec, args, kwargs)
         if rec["stage"] is None:
             self.unscale_(optimizer)
         if not rec["found_inf_per_device"]:
-            raise AssertionError("No inf checks were recorded for this optimizer.")
+            raise ScalerAssertionError("No inf checks were recorded for this optimizer.")
         retval = self._maybe_opt_step(optimizer, rec, *args, **kwargs)
         rec["stage"] = _STEPPED
         return retval
@@ -1051,7 +1061,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
             state = self.state._replace(loss_scale=value, non_clamped_scale=value.clone())
         else:
             if not found_infs:
-                raise AssertionError("No inf checks were recorded prior to update.")
+                raise ScalerAssertionError("No inf checks were recorded prior to update.")
             found = found_infs[0].clone()
             for f in found_infs[1:]:
                 found += f
@@ -1079,11 +1089,11 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                   "torch.FloatTensor with requires_grad=False.")
         if new_scale.device.type != self._amp_device:
-            raise AssertionError(reason)
+            raise ScalerAssertionError(reason)
         if new_scale.numel() != 1:
-            raise AssertionError(reason)
+            raise ScalerAssertionError(reason)
         if new_scale.requires_grad is True:
-            raise AssertionError(reason)
+            raise ScalerAssertionError(reason)
         checked_scale("new_scale", new_scale)  # one host read, on this rare call
         return scale.clone().copy_(new_scale)
 
@@ -1115,7 +1125,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         if not self.is_enabled():
             return
         if isinstance(state_dict, Mapping) and len(state_dict) == 0:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+            raise ScalerUsageError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
         self._install(*self._plan_load(state_dict))
 
@@ -1123,7 +1133,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         state = self.__dict__.copy()
         if self.is_enabled():
             if self._per_opt:
-                raise AssertionError("A GradScaler instance may only be pickled at the beginning "
+                raise ScalerAssertionError("A GradScaler instance may only be pickled at the beginning "
                                      "of an iteration, or at the end after scaler.update().")
             state["_amp_initialized"] = False  # as torch: set up again by the next scale()
         state["_buffers"] = {}

@@ -10,6 +10,7 @@ import onnx_ir as ir
 import torch
 
 from dlspass.capture.exported import META_FILE, InputError, quiet_torch
+from dlspass.errors import GraphContractError
 from dlspass.graph import roles
 from dlspass.onnx.files import default_opset
 
@@ -246,7 +247,7 @@ class _RoundTemplate:
                     verify=False, opset_version=opset,
                     dynamic_shapes=({0: torch.export.Dim.DYNAMIC},)).model
             if model.functions:
-                raise RuntimeError("round_arith exported with ONNX functions; cannot splice it")
+                raise GraphContractError("round_arith exported with ONNX functions; cannot splice it")
             cls._ARITH[opset] = model
         return cls._ARITH[opset]
 
@@ -280,7 +281,7 @@ class _RoundTemplate:
         """The graph's initializer for the template's constant ``v`` (added on first use)."""
         if v not in self._constants:
             if v.const_value is None:
-                raise RuntimeError(f"round_arith's value {v.name!r} is neither computed nor constant")
+                raise GraphContractError(f"round_arith's value {v.name!r} is neither computed nor constant")
             c = ir.Value(name=self.prefix + (v.name or ""), type=v.type,
                          shape=v.shape.copy() if v.shape else None, const_value=v.const_value)
             self.graph.register_initializer(c)

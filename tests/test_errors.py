@@ -194,3 +194,26 @@ def test_cli_verification_failure_is_exit_1(capsys, monkeypatch, tmp_path) -> No
     assert rc == 1, err
     assert err.count("\n") == 1 and err.startswith("dlspass: verification failed:")
     assert "not guarded" in err
+
+
+def test_no_builtin_exception_is_raised_directly() -> None:
+    """Every ``raise`` in the package names a dlspass class (each keeps its builtin base), so a
+    caller can catch ``DLSPassError`` and the CLI can tell input from bugs by class."""
+    import ast
+    import builtins
+
+    root = Path(dlspass.__file__).resolve().parents[1]
+    builtin_errors = {name for name, obj in vars(builtins).items()
+                      if isinstance(obj, type) and issubclass(obj, BaseException)}
+    # protocols: a module's __getattr__ must raise AttributeError; abstract methods
+    allowed = {"AttributeError", "NotImplementedError", "StopIteration", "SystemExit"}
+    found = []
+    for path in [*(root / "dlspass").rglob("*.py"), *(root / "passes").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                func = node.exc.func
+                name = func.id if isinstance(func, ast.Name) else None
+                if name in builtin_errors and name not in allowed:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: raise {name}")
+    assert len(list((root / "passes").glob("*_pass.py"))) > 6  # the walk reaches the passes
+    assert found == []

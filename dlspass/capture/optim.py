@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dlspass.errors import DLSInputError
+from dlspass.errors import DLSInputError, InputKeyError, InputValueError
 
 # the torch.optim classes with a functional twin here: the one list capture_step, dlspass.compile
 # and the CLI (lower-cased) accept
@@ -134,12 +134,12 @@ class FunctionalOptimizer:
             for p in group["params"]:
                 name = self._names.get(id(p))
                 if name is None:
-                    raise ValueError(
+                    raise InputValueError(
                         f"param group {gi} of the {type(self.optimizer).__name__} optimizer holds a "
                         f"parameter of shape {tuple(p.shape)} that is not a parameter of the model "
                         "(missing from param_names)")
                 if name in seen:
-                    raise ValueError(f"parameter {name!r} appears twice in the optimizer")
+                    raise InputValueError(f"parameter {name!r} appears twice in the optimizer")
                 if p.is_complex():
                     raise UnsupportedOptimizerError(
                         f"parameter {name!r} is complex; dlspass's functional optimizers support "
@@ -340,7 +340,7 @@ def _need(d: dict[str, Tensor], key: str, what: str) -> Tensor:
     try:
         return d[key]
     except KeyError:
-        raise KeyError(f"{what} has no entry {key!r}") from None
+        raise InputKeyError(f"{what} has no entry {key!r}") from None
 
 
 def _initialized(kind: str, vals: dict[str, Tensor]) -> bool:

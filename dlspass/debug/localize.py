@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from dlspass.errors import InputTypeError
 from dlspass.graph import roles
 
 
@@ -283,8 +284,8 @@ def localize_overflow(step_or_model: Any, batch: Any,
         return localize_graph(step.graph_module, step._inputs_for(step._batch_leaves(batch)))
     if isinstance(step_or_model, nn.Module):
         if loss_fn is None:
-            raise TypeError("localize_overflow: an eager model needs loss_fn(model, batch)")
+            raise InputTypeError("localize_overflow: an eager model needs loss_fn(model, batch)")
         scale = scaler.state.loss_scale if scaler is not None and scaler.is_enabled() else 1.0
         return localize_eager(step_or_model, batch, loss_fn, scale)
-    raise TypeError(f"localize_overflow: expected a CapturedStep, a FaultSchedule or an "
+    raise InputTypeError(f"localize_overflow: expected a CapturedStep, a FaultSchedule or an "
                     f"nn.Module, got {type(step_or_model).__name__}")

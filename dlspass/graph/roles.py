@@ -121,7 +121,7 @@ def set_output_roles(graph: fx.Graph, roles: list[tuple[str, str | None]]) -> No
     """Record the role and target of each output position of ``graph``."""
     out = graph.output_node()
     if len(roles) != len(output_values(graph)):
-        raise ValueError(f"{len(roles)} output roles for {len(output_values(graph))} outputs")
+        raise GraphContractError(f"{len(roles)} output roles for {len(output_values(graph))} outputs")
     out.meta.setdefault("custom", {})[OUTPUTS_KEY] = [[r, t] for r, t in roles]
 
 

@@ -45,6 +45,7 @@ import torch.fx as fx
 from dlspass.capture.exported import META_FILE, InputError, quiet_torch, write_atomic
 from dlspass.capture.program import flat_tuple_spec, make_program, user_outputs
 from dlspass.config import DLSConfig
+from dlspass.errors import GraphContractError
 from dlspass.graph import roles
 from dlspass.onnx.files import (
     check_onnx,
@@ -72,7 +73,7 @@ def _relabelled(step: torch.export.ExportedProgram) -> torch.export.ExportedProg
     constants = sum(n.op == "get_attr" for n in gm.graph.nodes)
     decompose_rounding(gm, form="arith")
     if sum(n.op == "get_attr" for n in gm.graph.nodes) != constants:
-        raise RuntimeError("round_arith traced a tensor constant; cannot splice it into the program")
+        raise GraphContractError("round_arith traced a tensor constant; cannot splice it into the program")
     _bool_where_to_logic(gm)
     # by the output node's values: the rewrites above may have replaced an output node
     outs = user_outputs(gm.graph)
@@ -107,7 +108,7 @@ def step_to_onnx(step: torch.export.ExportedProgram, meta: dict[str, Any]) -> An
     model = onnx_prog.model
     graph = model.graph
     if len(graph.outputs) != len(kinds):
-        raise RuntimeError(f"the ONNX exporter produced {len(graph.outputs)} outputs for "
+        raise GraphContractError(f"the ONNX exporter produced {len(graph.outputs)} outputs for "
                            f"{len(kinds)} step outputs")
     state_names = _promote_initializers(graph)
     for value, (kind, target) in zip(graph.outputs, kinds, strict=True):
