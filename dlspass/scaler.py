@@ -224,6 +224,16 @@ def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return out
 
 
+
+def _refuse_backend_flag_with_group(backend_flag: Tensor | None) -> None:
+    """make_backend's graphs unscaled this rank's gradients and checked only them: unscaling
+    again, or stepping on a flag the other ranks do not share, would be wrong."""
+    if backend_flag is not None:
+        raise ScalerUsageError(
+            "dlspass.make_backend(scaler=...) checks gradients per rank and cannot be combined "
+            "with a scaler's process_group; use dlspass.compile(..., process_group=...) or "
+            "torch.compile's own backend with this scaler")
+
 class GradScaler:
     """Dynamic loss scaling for eager training: cstorch's arguments, torch.amp's methods.
 
@@ -301,6 +311,9 @@ class GradScaler:
         self._active_config = config
         # set by a dlspass.make_backend graph that unscaled and checked the gradients itself
         self.backend_found_finite: Tensor | None = None
+        # ... and taken from it by the step's first unscale_: it covers every gradient of the
+        # step's graphs, so every optimizer of the step reads it, until update()
+        self._step_backend_flag: Tensor | None = None
         self._lazy_device = device is None
         self.state: ScalerState = init_state(config, device)
         self._per_opt: dict[int, dict[str, Any]] = {}
@@ -367,6 +380,13 @@ class GradScaler:
         scale = self.state.loss_scale
         return _map_tensors(outputs, lambda t: t * scale.to(t.device))
 
+    def _take_backend_flag(self) -> Tensor | None:
+        """make_backend's flag for this step, taken whatever path ``unscale_`` runs, so a step
+        that returns early cannot leave it to decide (or be ANDed into) the next step's."""
+        if self.backend_found_finite is not None:
+            self._step_backend_flag, self.backend_found_finite = self.backend_found_finite, None
+        return self._step_backend_flag
+
     def _record(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return self._per_opt.setdefault(id(optimizer), {"stage": None, "isfinite": None})
 
@@ -385,11 +405,13 @@ class GradScaler:
                                "step(), once per optimizer per iteration")
         rec["stage"] = _UNSCALED
         device = self.state.loss_scale.device
+        backend_flag = self._take_backend_flag()
         if not self._needs_grad_work():
             rec["isfinite"] = torch.ones((), dtype=torch.bool, device=device)
             return
         group = distributed.resolve_group(self.process_group)
         if group is not None:
+            _refuse_backend_flag_with_group(backend_flag)
             # a collective: every rank runs it, also one with no gradients
             rec["isfinite"] = self._unscale_distributed(optimizer, group).to(device)
             return
@@ -397,11 +419,9 @@ class GradScaler:
         if not grads:
             rec["isfinite"] = torch.ones((), dtype=torch.bool, device=device)
             return
-        backend_flag = self.backend_found_finite
         if backend_flag is not None:
             # A dlspass.make_backend graph already unscaled and checked these gradients in its
             # backward; only clipping is left to do here.
-            self.backend_found_finite = None
             cfg = self._active_config
             if cfg.max_gradient_norm is not None or cfg.max_gradient_value is not None:
                 unscaled = [g.to(torch.float32) for g in grads]
@@ -520,6 +540,8 @@ class GradScaler:
         # The snapshot buffers are reused across iterations (one foreach copy, no fresh
         # allocation and page faults per step); they hold no information between steps, so a
         # fresh scaler that loaded a state_dict behaves the same.
+        if not live:  # an optimizer none of whose parameters got a gradient this step
+            return []
         sig = tuple((t.shape, t.dtype, t.device) for t in live)
         cached = self._buffers.get(id(optimizer))
         if cached is None or cached[0] != sig:
@@ -558,6 +580,7 @@ class GradScaler:
         self._last_stepped = {k: r["isfinite"] for k, r in self._per_opt.items()
                               if r["stage"] == _STEPPED}
         self._per_opt = {}
+        self._step_backend_flag = None
         if not self._active_config.enabled:
             return
         if not flags:
@@ -692,6 +715,7 @@ class GradScaler:
         if state_dict is None or (isinstance(state_dict, Mapping) and not state_dict):
             device = self.state.loss_scale.device
             self._per_opt = {}
+            self._step_backend_flag = None
             self.state = init_state(self.config, device)
             self._found_inf = torch.zeros((), dtype=torch.bool, device=device)
             return
@@ -700,6 +724,7 @@ class GradScaler:
     def _install(self, config: DLSConfig, state: ScalerState | None) -> None:
         """The only place a checkpoint changes the scaler: after every entry was checked."""
         self._per_opt = {}
+        self._step_backend_flag = None
         self._commit_config(config)
         if state is not None:
             self.state = state
@@ -943,6 +968,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         values unscaled, and no host sync happens here.
         """
         if not self.is_enabled():
+            self._take_backend_flag()  # this step's flag; a disabled scaler ignores it
             return
         self._check_scale_growth_tracker("unscale_")
         rec = self._record(optimizer)
@@ -956,12 +982,13 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
 
     def _found_infs(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
         scale = self.state.loss_scale
-        flag = self.backend_found_finite
+        flag = self._take_backend_flag()
+        group = distributed.resolve_group(self.process_group)
+        if group is not None:
+            _refuse_backend_flag_with_group(flag)
         if flag is not None:
             # a dlspass.make_backend graph already unscaled and checked these gradients
-            self.backend_found_finite = None
             return {scale.device: (~flag).to(device=scale.device, dtype=torch.float32)}
-        group = distributed.resolve_group(self.process_group)
         if group is not None:  # a collective: the flag every rank shares
             isfinite = self._unscale_distributed(optimizer, group)
             return {scale.device: (~isfinite).to(device=scale.device, dtype=torch.float32)}
@@ -1080,6 +1107,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         self._last_stepped = {k: r["isfinite"] for k, r in records.items()
                               if r["stage"] == _STEPPED and r["isfinite"] is not None}
         self._per_opt = {}
+        self._step_backend_flag = None
         self._count_update()
 
     def _checked_new_scale(self, new_scale: float | Tensor, scale: Tensor) -> Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -331,3 +333,55 @@ def test_transformers_gpt2_through_backend_on_a_cold_cache(options, tmp_path, mo
     torch.testing.assert_close(loss, ref, **tol)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, **tol)
+
+
+def test_make_backend_flag_serves_every_optimizer_of_the_step_and_no_later_step():
+    """The backend unscales and checks every gradient of the step once: a second optimizer must
+    neither unscale its gradients again nor miss the overflow, and a step whose ``unscale_``
+    returns early (no gradients) must not leave the flag to decide the next step."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    reference = copy.deepcopy(model)
+    scaler = dlspass.GradScaler(init_scale=2.0**10)
+    backend = dlspass.make_backend(scaler=scaler, mixed_precision=False, backend_compiler="eager")
+    cmodel = torch.compile(model, backend=backend)
+    opts = [torch.optim.SGD(model[i].parameters(), lr=0.1) for i in range(2)]
+    x = torch.randn(16, 8)
+
+    cmodel(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    for opt in opts:
+        scaler.unscale_(opt)
+    # each optimizer's gradients unscaled once (the backend's), not again by unscale_
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    for opt in opts:
+        scaler.step(opt)
+    scaler.update()
+
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    for opt in opts:
+        opt.zero_grad()
+    cmodel(bad).pow(2).mean().backward()
+    for opt in opts:  # the overflow skips both optimizers, not only the first to unscale
+        scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    # an overflowing backward, then a step with no gradients at all: its flag must not carry
+    cmodel(bad).pow(2).mean().backward()
+    for opt in opts:
+        opt.zero_grad(set_to_none=True)
+        scaler.step(opt)
+    scaler.update()
+    assert scaler.backend_found_finite is None
+    # a clean eager step afterwards is checked on its own gradients and steps
+    scaler.scale(model(x).pow(2).mean()).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    for opt in opts:
+        scaler.step(opt)
+    scaler.update()
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
