@@ -166,6 +166,69 @@ def test_tied_weights_are_one_parameter_trained_like_torch_optim(tmp_path):
     assert set(got["params"]) == {"emb.weight", "mid.weight", "mid.bias"}
     hf.assert_same_training(got, ref, 2, rel=1e-5)
     assert not torch.equal(got["params"]["emb.weight"], _initial_params("tied")["emb.weight"])
+    # the files say which name the head's weight is trained under: the programs no longer list it
+    tied = _tied_names_of_the_model()
+    assert tied == {"head.weight": "emb.weight"}
+    for path in (tmp_path / "tied.pt2", tmp_path / "tied_step.pt2"):
+        ep, meta = load_program(path)
+        assert meta["tied"] == tied, path
+        assert "head.weight" not in ep.state_dict and "emb.weight" in ep.state_dict
+
+
+def _tied_names_of_the_model() -> dict[str, str]:
+    """``{name: first name}`` of every parameter the model holds under a second name."""
+    import repro_factories as rf
+
+    model, _ = rf.FACTORIES["tied"]()
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        first.setdefault(id(p), name)
+    return out
+
+
+def test_tied_names_travel_through_onnx_outputs(tmp_path):
+    from dlspass.onnx.files import load_onnx, onnx_meta
+
+    tied = {"head.weight": "emb.weight"}
+    joint_pt2, joint_onnx = tmp_path / "tied.pt2", tmp_path / "tied.onnx"
+    step_onnx, dls_onnx = tmp_path / "step.onnx", tmp_path / "dls.onnx"
+    assert cf.cli("export", "repro_factories:tied", "-o", joint_pt2) == 0
+    assert cf.cli("export", "repro_factories:tied", "-o", joint_onnx) == 0
+    assert cf.cli("transform", joint_pt2, "-o", step_onnx, "--to", "onnx") == 0
+    assert cf.cli("transform", joint_onnx, "-o", dls_onnx, "--no-mixed-precision") == 0
+    # the ONNX DLS pass updates the joint's record in place (kind onnx_dls), keeping "tied"
+    for path, kind in ((joint_onnx, "joint"), (step_onnx, "step"), (dls_onnx, "onnx_dls")):
+        model = load_onnx(path)
+        meta = onnx_meta(model)
+        assert meta["kind"] == kind and meta["tied"] == tied, path
+        inputs = {v.name for v in model.graph.inputs}
+        assert "emb.weight" in inputs and "head.weight" not in inputs, path
+
+
+def test_a_model_without_tied_weights_records_none(tmp_path):
+    joint = cf.joint_file("mlp")
+    assert load_program(joint)[1]["tied"] == {}
+    assert load_program(_fp32_step("mlp"))[1]["tied"] == {}
+    out = tmp_path / "mlp.onnx"
+    assert cf.cli("export", "cli_factories:mlp", "-o", out) == 0
+    from dlspass.onnx.files import load_onnx, onnx_meta
+
+    assert onnx_meta(load_onnx(out))["tied"] == {}
+
+
+def test_a_joint_without_the_record_gives_a_step_without_it(tmp_path):
+    """A joint written before dlspass recorded ties: its step says nothing rather than "none"."""
+    from dlspass.capture.exported import save_program
+
+    ep, meta = load_program(cf.joint_file("mlp"))
+    old = tmp_path / "old.pt2"
+    save_program(ep, old, {k: v for k, v in meta.items() if k != "tied"})
+    step = tmp_path / "old_step.pt2"
+    assert cf.cli("transform", old, "-o", step, "--no-mixed-precision") == 0
+    assert "tied" not in load_program(step)[1]
 
 
 def _initial_params(name: str) -> dict[str, torch.Tensor]:

@@ -168,4 +168,37 @@ def test_inspect_onnx(tmp_path, capsys):
     assert report["file_format"] == "onnx" and report["config"]["mixed_precision"] is False
     assert any(r["role"] == "param_update" for r in report["roles"])
     assert report["op_histogram"]["Where"] >= 6
+    assert report["tied"] == {}  # the mlp ties nothing, and the ONNX step says so
 
+
+
+def test_inspect_names_the_tied_parameters(tmp_path, capsys):
+    joint, step = tmp_path / "tied.pt2", tmp_path / "tied_step.pt2"
+    assert cf.cli("export", "repro_factories:tied", "-o", joint) == 0
+    assert cf.cli("transform", joint, "-o", step, "--no-mixed-precision") == 0
+    for path in (joint, step):
+        text = _inspect(capsys, path)
+        assert "tied parameters: head.weight -> emb.weight\n" in text, text
+        report = json.loads(_inspect(capsys, path, "--format", "json"))
+        jsonschema.validate(report, REPORT_SCHEMA)
+        assert report["tied"] == {"head.weight": "emb.weight"}
+    html_out = tmp_path / "tied.html"
+    _inspect(capsys, step, "--format", "html", "-o", html_out)
+    p = _Collect()
+    p.feed(html_out.read_text())
+    assert "head.weight -> emb.weight" in " ".join(p.text)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**report, "tied": {"head.weight": 3}}, REPORT_SCHEMA)
+
+
+def test_inspect_says_none_or_not_recorded(files, tmp_path, capsys):
+    joint, _ = files
+    assert "tied parameters: none\n" in _inspect(capsys, joint)
+    assert json.loads(_inspect(capsys, joint, "--format", "json"))["tied"] == {}
+    ep, meta = load_program(joint)
+    old = tmp_path / "old.pt2"  # written before dlspass recorded ties
+    save_program(ep, old, {k: v for k, v in meta.items() if k != "tied"})
+    assert "tied parameters: not recorded\n" in _inspect(capsys, old)
+    report = json.loads(_inspect(capsys, old, "--format", "json"))
+    jsonschema.validate(report, REPORT_SCHEMA)
+    assert report["tied"] is None

@@ -16,7 +16,11 @@ forward-backward program (``torch.export.experimental._export_forward_backward``
 
 What ``torch.export.save`` does not keep (the output node's metadata) travels in the archive's
 ``dlspass.json`` extra file: config, precision mode, output roles and buffer names, so
-``inspect`` and ``verify`` work from the file alone.
+``inspect`` and ``verify`` work from the file alone. Both a joint and a step record, as
+``"tied"``, the parameter names merged into another one (``{dropped: kept}``; see
+``merge_tied_parameters``): the program itself lists only the kept name, so without it a user
+could not tell that ``lm_head.weight`` is trained as ``wte.weight``. A file written before
+dlspass recorded it has no ``"tied"`` key (unknown, not "none").
 """
 
 from __future__ import annotations
@@ -230,8 +234,11 @@ def _torch_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:300]}" if first else type(exc).__name__
 
 
-def export_factory(spec: str) -> torch.export.ExportedProgram:
+def export_factory(spec: str) -> tuple[torch.export.ExportedProgram, dict[str, str]]:
     """Export ``FACTORY()``'s ``(model, example_inputs)`` as a joint forward-backward program.
+
+    Returns the program and its tied parameters merged into one, ``{dropped_name: kept_name}``
+    (empty when the model ties none; see ``merge_tied_parameters``).
 
     A failure of torch on the user's model (in ``torch.export.export`` or while tracing its
     backward) is the model's problem, not dlspass's: it raises ``ExportError`` (CLI exit 2)
@@ -252,11 +259,19 @@ def export_factory(spec: str) -> torch.export.ExportedProgram:
             ep = torch.export.export(model, inputs)
     except Exception as e:
         raise ExportError(f"{spec}: torch.export.export failed on the model ({_torch_error(e)})") from e
-    return joint_program(ep, source=spec)
+    return joint_with_ties(ep, source=spec)
 
 
 def joint_program(ep: torch.export.ExportedProgram, source: str) -> torch.export.ExportedProgram:
-    """``ep`` (a model returning a scalar loss) as a joint program with parameter gradients.
+    """``ep`` (a model returning a scalar loss) as a joint program with parameter gradients
+    (``joint_with_ties`` without the names of the merged parameters)."""
+    return joint_with_ties(ep, source)[0]
+
+
+def joint_with_ties(ep: torch.export.ExportedProgram, source: str
+                    ) -> tuple[torch.export.ExportedProgram, dict[str, str]]:
+    """``ep`` (a model returning a scalar loss) as a joint program with parameter gradients,
+    and the tied parameter names it merged, ``{dropped_name: kept_name}``.
 
     Tied parameters (one tensor under several names, e.g. an embedding shared with the output
     layer) become one parameter with one gradient, the sum over every use, as
@@ -272,21 +287,26 @@ def joint_program(ep: torch.export.ExportedProgram, source: str) -> torch.export
                          "floating-point loss (inference-only models cannot be trained)")
     if not ep.graph_signature.parameters:
         raise InputError(f"{source}: the model has no parameters to train")
-    ep = merge_tied_parameters(ep)
+    ep, tied = merge_tied_parameters(ep)
     try:
         with quiet_torch():
-            return _export_forward_backward(ep)
+            return _export_forward_backward(ep), tied
     except Exception as e:
         raise ExportError(f"{source}: torch could not trace the model's backward "
                           f"({_torch_error(e)})") from e
 
 
-def merge_tied_parameters(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``ep`` with each group of PARAMETER inputs holding the same tensor merged into one input.
+def merge_tied_parameters(ep: torch.export.ExportedProgram
+                          ) -> tuple[torch.export.ExportedProgram, dict[str, str]]:
+    """``ep`` with each group of PARAMETER inputs holding the same tensor merged into one input,
+    and the merge as ``{dropped_name: kept_name}`` (fully qualified parameter names, the
+    ``InputSpec.target``s; empty when nothing is tied).
 
     ``torch.export`` lists a tied parameter once per name but routes every use through one of
     the placeholders, so the joint trace finds a parameter without a gradient (pytorch#101192).
     The merged input keeps the first name (``model.named_parameters()`` order) and all uses.
+    The dropped names vanish from the program, so the caller records the returned mapping in
+    the file's metadata: it is the only place that says ``lm_head.weight`` is ``wte.weight``.
     """
     from torch.export.graph_signature import InputKind
 
@@ -299,7 +319,8 @@ def merge_tied_parameters(ep: torch.export.ExportedProgram) -> torch.export.Expo
             groups.setdefault(key, []).append(spec)
     tied = [g for g in groups.values() if len(g) > 1]
     if not tied:
-        return ep
+        return ep, {}
+    names = {s.target: group[0].target for group in tied for s in group[1:]}
     placeholders = {n.name: n for n in ep.graph_module.graph.find_nodes(op="placeholder")}
     merge: dict[str, str] = {}
     renamed: dict[str, str] = {}
@@ -315,7 +336,7 @@ def merge_tied_parameters(ep: torch.export.ExportedProgram) -> torch.export.Expo
     new_sig = dataclasses.replace(sig, input_specs=specs)
     kept = {s.target for s in specs if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
     state = {k: v for k, v in ep.state_dict.items() if k in kept}
-    return ep._update(gm, new_sig, state_dict=state)
+    return ep._update(gm, new_sig, state_dict=state), names
 
 
 def _attention_in_math_ops(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
@@ -617,7 +638,10 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
                          f"{json.dumps(have, sort_keys=True)}; transform the original joint "
                          "program to change the settings")
     if getattr(ep.graph_signature, "backward_signature", None) is None:
-        ep = joint_program(ep, source)
+        ep, tied = joint_with_ties(ep, source)
+    else:
+        # the joint's merge happened at export; None: a joint written before it was recorded
+        tied = (meta or {}).get("tied")
     gm, info = joint_to_step_graph(ep, optimizer, config, source)
     gm = apply_dls(gm, config, precision_mode=precision_mode)
     if rounding == "aten":
@@ -628,6 +652,8 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
     full = {"format": "dlspass-step", "version": FORMAT_VERSION, "kind": "step", **wanted,
             **roles_meta, "inputs": info.inputs,
             "applied_passes": gm.graph.output_node().meta.get("custom", {}).get(roles.APPLIED_KEY, [])}
+    if tied is not None:  # unknown stays absent rather than claiming nothing was tied
+        full["tied"] = dict(tied)
     return out, full
 
 

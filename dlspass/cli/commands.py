@@ -178,20 +178,22 @@ def export(
 
     To .onnx: outputs loss and grad.<param>, the backward seed is the input loss_seed (feed 1.0) and the parameters are inputs; `dlspass transform joint.onnx -o dls.onnx` then inserts DLS.
 
-    Tied parameters (one tensor under two names, e.g. an embedding shared with the output layer) become one parameter under its first name, trained with the sum of both gradients as torch.optim does. A model torch cannot export (torch.export.export or the trace of its backward fails) exits 2 with one line naming torch's error; exit 3 is kept for failures inside dlspass.
+    Tied parameters (one tensor under two names, e.g. an embedding shared with the output layer) become one parameter under its first name, trained with the sum of both gradients as torch.optim does; the file's metadata records the merge as "tied": {dropped name: kept name} (shown by `dlspass inspect`, carried into the step by `dlspass transform`). A model torch cannot export (torch.export.export or the trace of its backward fails) exits 2 with one line naming torch's error; exit 3 is kept for failures inside dlspass.
 
     Example: dlspass export tests.cli_factories:mlp -o mlp.pt2
     """
     from dlspass.capture.exported import check_output_path, export_factory, save_program
 
     out = check_output_path(output, (".pt2", ".onnx"))
-    ep = export_factory(factory)
+    ep, tied = export_factory(factory)
+    # the merged names are gone from the program: the metadata is where a user finds them
     if out.suffix == ".onnx":
         from dlspass.onnx.convert import save_joint_onnx
 
-        save_joint_onnx(ep, out)
+        save_joint_onnx(ep, out, tied=tied)
     else:
-        save_program(ep, out, {"format": "dlspass-joint", "kind": "joint", "source": factory})
+        save_program(ep, out, {"format": "dlspass-joint", "kind": "joint", "source": factory,
+                               "tied": tied})
     print(f"wrote {out}", file=sys.stderr)
 
 

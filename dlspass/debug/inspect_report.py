@@ -3,7 +3,8 @@
 ``summarize_file(path)`` reads a ``.pt2`` (joint program or dlspass step) or a ``.onnx`` and
 returns one JSON-serialisable report (``REPORT_SCHEMA``): op histogram, nodes each pass inserted,
 the passes that skipped and why, casts per dtype/format, the scaled region (nodes between the scaled seed and the unscale),
-a roles table, the embedded DLS config and the graph itself (nodes and edges).
+a roles table, the embedded DLS config, the tied parameter names merged at export and the graph
+itself (nodes and edges).
 ``render(report, fmt, other)`` draws it; ``other`` adds a before/after diff. The SVG is written
 here (networkx only computes the layout): no Graphviz, and the HTML is one offline file.
 """
@@ -50,6 +51,9 @@ REPORT_SCHEMA: dict[str, Any] = {
         "config": {"type": ["object", "null"]},
         "optimizer": {"type": ["object", "null"]},
         "precision_mode": {"type": ["string", "null"]},
+        # {dropped_name: kept_name} of tied parameters merged at export; null: not recorded
+        # (a foreign file or one written before dlspass kept it). Optional: /1 reports lack it.
+        "tied": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
         "node_count": {"type": "integer", "minimum": 0},
         "op_histogram": _COUNTS,
         "inserted_by_pass": _COUNTS,
@@ -257,7 +261,7 @@ def _report(s: dict[str, Any], file: str) -> dict[str, Any]:
     return {
         "schema": SCHEMA_ID, "file": file, "file_format": s["file_format"], "kind": s["kind"],
         "config": meta.get("config"), "optimizer": meta.get("optimizer"),
-        "precision_mode": meta.get("precision_mode"),
+        "precision_mode": meta.get("precision_mode"), "tied": meta.get("tied"),
         "node_count": sum(1 for n in s["nodes"] if n["op"] in ("call_function", "node")),
         "op_histogram": dict(sorted(s["hist"].items())),
         "inserted_by_pass": s["inserted"], "skipped_passes": s["skipped"], "casts": s["casts"],
@@ -302,6 +306,7 @@ def render_text(r: dict[str, Any]) -> str:
         lines.append("DLS config: " + json.dumps(r["config"], sort_keys=True))
     if r.get("optimizer"):
         lines.append("optimizer: " + json.dumps(r["optimizer"], sort_keys=True))
+    lines.append("tied parameters: " + _tied_text(r.get("tied")))
     lines.append("inserted by pass: " + (", ".join(f"{k} {v}" for k, v in r["inserted_by_pass"].items()) or "none"))
     lines += [f"skipped: {k} ({v})" for k, v in sorted(r["skipped_passes"].items())]
     lines.append("casts: " + (", ".join(f"{k} {v}" for k, v in sorted(r["casts"].items())) or "none"))
@@ -316,6 +321,14 @@ def render_text(r: dict[str, Any]) -> str:
         lines += [f"  - {k} x{v}" for k, v in d["removed_ops"].items()]
     # names come from the file: an ESC in one must not reach the terminal
     return "\n".join(printable(line) for line in lines)
+
+
+def _tied_text(tied: dict[str, str] | None) -> str:
+    """``lm_head.weight -> wte.weight, ...``: the names merged into the parameter trained as
+    the kept one, which the program itself no longer lists."""
+    if tied is None:
+        return "not recorded"
+    return ", ".join(f"{d} -> {k}" for d, k in sorted(tied.items())) or "none"
 
 
 def _esc(text: str) -> str:
@@ -410,6 +423,7 @@ def render_html(r: dict[str, Any]) -> str:
         ["file", r["file"]], ["kind", r["kind"]], ["ops", r["node_count"]],
         ["DLS config", json.dumps(r["config"], sort_keys=True) if r["config"] else "none"],
         ["optimizer", json.dumps(r.get("optimizer"), sort_keys=True) if r.get("optimizer") else "none"],
+        ["tied parameters", _tied_text(r.get("tied"))],
         ["inserted by pass", ", ".join(f"{k}: {v}" for k, v in r["inserted_by_pass"].items()) or "none"],
         ["skipped passes", "; ".join(f"{k}: {v}" for k, v in sorted(r["skipped_passes"].items())) or "none"],
         ["casts", ", ".join(f"{k}: {v}" for k, v in sorted(r["casts"].items())) or "none"],

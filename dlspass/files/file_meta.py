@@ -51,6 +51,26 @@ def _is_dict(v: Any) -> bool:
     return isinstance(v, dict)
 
 
+MAX_TIED = 10_000
+"""Most ``"tied"`` entries a file may carry: a model that shares whole layers (ALBERT-style)
+ties a few thousand names at most; more is a hostile file, and ``inspect`` prints them all."""
+MAX_NAME_CHARS = 1024
+"""Longest parameter name in ``"tied"`` (as ``pt2_archive`` bounds member names); real dotted
+names are well under 200 characters."""
+
+
+def _name(v: Any) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= MAX_NAME_CHARS
+
+
+def _tied(v: Any) -> bool:
+    """``{dropped_name: kept_name}`` as ``merge_tied_parameters`` writes it: bounded, and one
+    merge per name (a kept name is never also dropped, and no name is merged into itself)."""
+    return (isinstance(v, dict) and len(v) <= MAX_TIED
+            and all(_name(k) and _name(x) and k != x for k, x in v.items())
+            and not set(v.values()) & v.keys())
+
+
 # key -> (check, what it should be); absent keys are fine unless listed as required below
 _PT2_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "format": (_is_str, "a string"),
@@ -65,6 +85,8 @@ _PT2_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "buffer_names": (_dict_of(_is_str), "an object of strings"),
     "inputs": (_list_of(_is_str), "a list of strings"),
     "applied_passes": (_list_of(_is_str), "a list of strings"),
+    "tied": (_tied, f"an object of at most {MAX_TIED:,} parameter names (dropped -> kept, each "
+                    f"1 to {MAX_NAME_CHARS} characters, a kept name never dropped)"),
 }
 _STEP_REQUIRED = ("output_roles", "config", "optimizer", "precision_mode")
 

@@ -12,7 +12,8 @@
    scaler state, lr) is promoted to a graph input with onnx_ir, so a caller feeds the state in and
    the updated state back: output ``<name>.new`` is the next value of input ``<name>``, and the
    last output ``loss`` is the loss;
-4. roles and the DLS config go to the model's ``metadata_props`` (``dlspass.json``).
+4. roles, the DLS config and the tied parameter names (``"tied"``) go to the model's
+   ``metadata_props`` (``dlspass.json``).
 
 ONNX *input*: ``joint_to_onnx`` writes a joint program as an ONNX training graph (outputs
 ``loss`` and ``grad.<param>``, the backward seed as the input ``loss_seed``, roles in
@@ -149,9 +150,13 @@ def save_step_onnx(step: torch.export.ExportedProgram, meta: dict[str, Any], pat
 SEED_INPUT = "loss_seed"
 
 
-def joint_to_onnx(joint: torch.export.ExportedProgram) -> Any:
+def joint_to_onnx(joint: torch.export.ExportedProgram, *, tied: dict[str, str] | None = None) -> Any:
     """The joint program as ONNX: outputs ``loss`` and ``grad.<param>``, the backward seed as
-    the scalar input ``loss_seed`` (feed 1.0), parameters as overridable inputs."""
+    the scalar input ``loss_seed`` (feed 1.0), parameters as overridable inputs.
+
+    ``tied`` (``{dropped_name: kept_name}`` from ``merge_tied_parameters``) goes to the metadata
+    as ``"tied"``; None leaves the key out (not known, as in a file written before it was kept).
+    """
     from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
     from torch.utils._pytree import tree_flatten
 
@@ -183,18 +188,21 @@ def joint_to_onnx(joint: torch.export.ExportedProgram) -> Any:
             kind, value.name)
         role_map[value.name] = {"loss": [roles.LOSS, None], "grad": [roles.GRAD, target],
                                 "buffer": [roles.BUFFER_UPDATE, target]}.get(kind, ["other", None])
-    model.metadata_props[META_FILE] = json.dumps(
-        {"format": "dlspass-joint", "kind": "joint", "state_inputs": state,
-         "user_inputs": [*j.inputs, SEED_INPUT]}, sort_keys=True)
+    meta: dict[str, Any] = {"format": "dlspass-joint", "kind": "joint", "state_inputs": state,
+                            "user_inputs": [*j.inputs, SEED_INPUT]}
+    if tied is not None:
+        meta["tied"] = dict(tied)
+    model.metadata_props[META_FILE] = json.dumps(meta, sort_keys=True)
     model.metadata_props[roles.ONNX_ROLES_KEY] = json.dumps(role_map, sort_keys=True)
     return model
 
 
-def save_joint_onnx(joint: torch.export.ExportedProgram, path: Path) -> None:
-    """Write ``joint_to_onnx(joint)`` atomically to ``path``."""
+def save_joint_onnx(joint: torch.export.ExportedProgram, path: Path, *,
+                    tied: dict[str, str] | None = None) -> None:
+    """Write ``joint_to_onnx(joint, tied=tied)`` atomically to ``path``."""
     import onnx_ir as ir
 
-    model = joint_to_onnx(joint)
+    model = joint_to_onnx(joint, tied=tied)
     write_atomic(path, lambda tmp: ir.save(model, tmp))
 
 

@@ -32,7 +32,7 @@ def _cases(meta: dict) -> dict[str, object]:
     wrong = {"kind": 7, "output_roles": "param_update", "config": "dynamic", "optimizer": "sgd",
              "precision_mode": ["emulate"], "placeholder_roles": [["param", "w"]],
              "buffer_names": [1, 2], "inputs": {"x": 1}, "applied_passes": "all", "version": "1",
-             "format": None}
+             "format": None, "tied": [["head.weight", "emb.weight"]]}
     out: dict[str, object] = {}
     for key, value in wrong.items():
         out[f"{key}_wrong_type"] = {**meta, key: value}
@@ -45,6 +45,14 @@ def _cases(meta: dict) -> dict[str, object]:
     out["output_roles_number_target"] = {**meta, "output_roles": [[r[0], 5] for r in roles]}
     ph = meta["placeholder_roles"]
     out["placeholder_roles_nested"] = {**meta, "placeholder_roles": {k: [v] for k, v in ph.items()}}
+    # "tied" is {dropped: kept}: bounded, one merge per name
+    out["tied_number_target"] = {**meta, "tied": {"head.weight": 3}}
+    out["tied_nested"] = {**meta, "tied": {"head.weight": ["emb.weight"]}}
+    out["tied_empty_name"] = {**meta, "tied": {"": "emb.weight"}}
+    out["tied_long_name"] = {**meta, "tied": {"h" * 5000: "emb.weight"}}
+    out["tied_to_itself"] = {**meta, "tied": {"emb.weight": "emb.weight"}}
+    out["tied_chain"] = {**meta, "tied": {"a.weight": "b.weight", "b.weight": "c.weight"}}
+    out["tied_too_many"] = {**meta, "tied": {f"l{i}.weight": "emb.weight" for i in range(10_001)}}
     out["config_unknown_key"] = {**meta, "config": {**meta["config"], "bogus": 1}}
     out["config_nested"] = {**meta, "config": {"config": meta["config"]}}
     out["whole_nested"] = {"dlspass": meta}
@@ -75,9 +83,13 @@ def test_wrong_shaped_pt2_metadata_is_exit_2(step, tmp_path, capsys):
     assert len(outcomes) >= 60
 
 
-def test_the_unchanged_step_still_works(step, capsys):
-    path, _ = step
-    for args in (["inspect", path], ["verify", path]):
+def test_the_unchanged_step_still_works(step, tmp_path, capsys):
+    path, meta = step
+    assert meta["tied"] == {}  # the check below is on a value dlspass writes
+    # a well-formed "tied" at the bounds is read, not refused
+    fine = {**{f"l{i}.weight": "emb.weight" for i in range(9_999)}, "w" * 1024: "emb.weight"}
+    ok = rewrite(path, tmp_path / "tied_ok.pt2", {META: json.dumps({**meta, "tied": fine}).encode()})
+    for args in (["inspect", path], ["verify", path], ["inspect", ok]):
         capsys.readouterr()
         assert run([str(a) for a in args]) == 0, capsys.readouterr().err
 

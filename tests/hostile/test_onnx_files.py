@@ -161,6 +161,9 @@ ONNX_META = {
     "meta_passes_object": {"dlspass.json": json.dumps({"applied_passes": {"a": 1}})},
     "meta_config_unknown": {"dlspass.json": json.dumps({"config": {"bogus": 1}})},
     "meta_config_list": {"dlspass.json": json.dumps({"config": [1, 2]})},
+    "meta_tied_list": {"dlspass.json": json.dumps({"tied": ["head.weight", "emb.weight"]})},
+    "meta_tied_number": {"dlspass.json": json.dumps({"tied": {"head.weight": 1}})},
+    "meta_tied_long_name": {"dlspass.json": json.dumps({"tied": {"emb.weight": "e" * 5000}})},
 }
 
 
