@@ -35,6 +35,14 @@ GPT2_SEEDS = Known(
     "gradients and make_backend rejects it at the first call (issue 13)")
 
 
+CONVNEXT_FLOAT16 = Known(
+    "float16's range, not dlspass: at the matrix's initial scale 2^10 ConvNeXt's smallest "
+    "gradients still fall below float16's smallest subnormal (2^-24) and flush to zero, so the "
+    "update differs from the float32 eager reference by 0.043 (bound 0.04); the same cell "
+    "started at 2^15 differs by 0.0023, and bfloat16 / cbfloat16 (float32's exponent range) by "
+    "0.024 / 0.004")
+
+
 def _key(model: str, entry: str, fmt: str, accumulate: bool = False) -> str:
     return f"{model}-{entry}-{fmt}" + ("-accum" if accumulate else "")
 
@@ -44,6 +52,7 @@ KNOWN: dict[str, Known] = {
     _key("graph_break", "dlspass.compile", "fp32", True): ONE_GRAPH,
     _key("t5", "dlspass.compile", "fp32"): T5_COMPILE,
     _key("t5", "dlspass.compile", "fp32", True): T5_COMPILE,
+    **{_key("convnext", e, "float16"): CONVNEXT_FLOAT16 for e in ("capture_step", "cli")},
     _key("gpt2", "make_backend", "fp32"): GPT2_SEEDS,
     _key("gpt2", "make_backend", "fp32", True): GPT2_SEEDS,
 }
