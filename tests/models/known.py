@@ -25,16 +25,6 @@ ONE_GRAPH = Known(
     "by design: `dlspass.compile` compiles a whole step as one graph and rejects a graph break "
     "at the first call with a one-line CompileError (use `backend=\"dlspass\"` with the eager "
     "scaler)")
-T5_COMPILE = Known(
-    "dlspass: compiling T5's step fails in dlspass's AOT compiler at the first call (the run "
-    "records dynamo's wrapper line only; issue 13 traces it to find_seed taking T5's "
-    "ones_like/full_like as backward-seed candidates: 'expected one backward seed ... found 3')")
-GPT2_SEEDS = Known(
-    "dlspass: GPT-2 as shipped logs through `logger.warning_once` in every forward, which "
-    "breaks dynamo's graph; the graph before the break returns several tensors that need "
-    "gradients and make_backend rejects it at the first call (issue 13)")
-
-
 CONVNEXT_FLOAT16 = Known(
     "float16's range, not dlspass: at the matrix's initial scale 2^10 ConvNeXt's smallest "
     "gradients still fall below float16's smallest subnormal (2^-24) and flush to zero, so the "
@@ -50,9 +40,5 @@ def _key(model: str, entry: str, fmt: str, accumulate: bool = False) -> str:
 KNOWN: dict[str, Known] = {
     **{_key("graph_break", "dlspass.compile", f): ONE_GRAPH for f in FORMATS},
     _key("graph_break", "dlspass.compile", "fp32", True): ONE_GRAPH,
-    _key("t5", "dlspass.compile", "fp32"): T5_COMPILE,
-    _key("t5", "dlspass.compile", "fp32", True): T5_COMPILE,
     **{_key("convnext", e, "float16"): CONVNEXT_FLOAT16 for e in ("capture_step", "cli")},
-    _key("gpt2", "make_backend", "fp32"): GPT2_SEEDS,
-    _key("gpt2", "make_backend", "fp32", True): GPT2_SEEDS,
 }
