@@ -40,5 +40,6 @@ def _key(model: str, entry: str, fmt: str, accumulate: bool = False) -> str:
 KNOWN: dict[str, Known] = {
     **{_key("graph_break", "dlspass.compile", f): ONE_GRAPH for f in FORMATS},
     _key("graph_break", "dlspass.compile", "fp32", True): ONE_GRAPH,
-    **{_key("convnext", e, "float16"): CONVNEXT_FLOAT16 for e in ("capture_step", "cli")},
+    **{_key("convnext", e, "float16"): CONVNEXT_FLOAT16
+       for e in ("capture_step", "cli", "dlspass.compile", "make_backend", "backend=dlspass")},
 }
