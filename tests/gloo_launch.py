@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,10 @@ def launch(script: str, world: int, timeout_s: float) -> list[dict]:
     outdir = tempfile.mkdtemp(prefix=f"dlspass_gloo{world}_")
     port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               # workers import this module (`serve`) from wherever their script lives
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                        os.environ.get("PYTHONPATH")])))
     procs = [subprocess.Popen([sys.executable, script, str(r), str(world), str(port), outdir],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(world)]
@@ -44,3 +48,18 @@ def launch(script: str, world: int, timeout_s: float) -> list[dict]:
     if any(p.returncode != 0 for p in procs):
         pytest.fail("a worker failed:\n" + "\n".join(log[-3000:] for log in logs))
     return [torch.load(Path(outdir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def serve(argv: list[str], compute: Callable[[int], dict]) -> None:
+    """The worker side of `launch`: join the gloo group named by ``argv`` (RANK WORLD PORT
+    OUTDIR), save ``compute(rank)`` where `launch` reads it, and leave the group."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, world, port, outdir = int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    torch.save(compute(rank), os.path.join(outdir, f"rank{rank}.pt"))
+    dist.destroy_process_group()

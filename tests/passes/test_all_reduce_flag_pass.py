@@ -2,15 +2,13 @@
 and back off the scale, as eager DLS does on the rank that overflowed; clean steps are each
 rank's eager DLS step.
 
-The ranks run this file as a script (``_worker``); the test compares what they saved with
+The ranks run this file as a script (``gloo_launch.serve`` of ``_observations``); the test compares what they saved with
 `stepgraph.reference_step` (eager autograd + ``dlspass.scale_policy``).
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from datetime import timedelta
 
 import pytest
 import torch
@@ -71,15 +69,8 @@ def _no_flag(rank: int) -> dict:
     return {"modified": result.modified, "same_code": gm.code == code}
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    out = {"overflow": _agreed(rank, True), "clean": _agreed(rank, False), "static": _no_flag(rank)}
-    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+def _observations(rank: int) -> dict:
+    return {"overflow": _agreed(rank, True), "clean": _agreed(rank, False), "static": _no_flag(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -126,4 +117,6 @@ def test_static_scale_has_no_flag_to_agree_on(ranks: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    from gloo_launch import serve
+
+    serve(sys.argv, _observations)

@@ -1,15 +1,13 @@
 """AllReduceGradsPass on 2 real gloo ranks: the graph's gradients are the mean (or sum) of the
 ranks' eager autograd gradients, and SGD steps with them on every rank alike.
 
-The ranks run this file as a script (``_worker``); the test compares what they saved with the
+The ranks run this file as a script (``gloo_launch.serve`` of ``_observations``); the test compares what they saved with the
 per-rank eager gradients, reduced here with plain torch.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from datetime import timedelta
 
 import pytest
 import torch
@@ -48,15 +46,8 @@ def _reduced(rank: int, average: bool) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    out = {"mean": _reduced(rank, True), "sum": _reduced(rank, False)}
-    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+def _observations(rank: int) -> dict:
+    return {"mean": _reduced(rank, True), "sum": _reduced(rank, False)}
 
 
 @pytest.fixture(scope="module")
@@ -101,4 +92,6 @@ def test_one_bucket_per_dtype_and_local_grads_retagged(ranks: list[dict]) -> Non
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    from gloo_launch import serve
+
+    serve(sys.argv, _observations)
