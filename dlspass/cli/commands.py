@@ -167,12 +167,15 @@ def _quietly(fn: Any) -> Any:
     return wrapper
 
 
+# the file export and transform write
+_OutputFile = Annotated[Path, typer.Option("--output", "-o", help="The .pt2 or .onnx file to write.")]
+
 @app.command()
 @_quietly
 def export(
     factory: Annotated[str, typer.Argument(
         metavar="MODULE:FACTORY", help="FACTORY() returns (model, example_inputs); model(*inputs) is the loss.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="The .pt2 or .onnx file to write.")],
+    output: _OutputFile,
 ) -> None:
     """Export a loss model as a joint forward-backward program (loss and parameter gradients).
 
@@ -202,7 +205,7 @@ def export(
 def transform(
     input: Annotated[Path, typer.Argument(
         metavar="IN", help="A joint training program (.pt2) or a dlspass step.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="The .pt2 or .onnx file to write.")],
+    output: _OutputFile,
     fp16_type: Annotated[str | None, typer.Option(
         "--fp16-type", help="16-bit format: float16 (default), bfloat16 or cbfloat16.")] = None,
     loss_scale: Annotated[str | None, typer.Option(
