@@ -15,6 +15,15 @@ per pass, the nodes it added and removed or why it skipped. The config is record
 the output node (``meta["custom"]["dlspass_config"]``; also on the seed node, whose meta
 survives ``torch.export``, which rebuilds the output node), which makes the pipeline idempotent
 and lets it refuse a graph already rewritten with a different config.
+
+The other files here are the rewrites around the pipeline, imported where they are used (each
+file's one-line docstring states its rewrite; README "Layout" groups them): capture and packaging
+(``drop_copy_back``, ``mark_seed``, ``merge_placeholders``, ``drop_none_getitems``,
+``lift_constants``, ``drop_unchanged_outputs``, ``clone_shared_outputs``,
+``remove_placeholder_aliases``, ``write_updates_in_place``), backends (``scale_backward``,
+``decompose_for_inductor``, ``decompose_rounding``), distributed and faults (``all_reduce_grads``,
+``all_reduce_flag``, ``inject_faults``) and ONNX (``lower_precision_onnx``, ``insert_dls_onnx``,
+``expand_bool_where``, ``expose_seed``).
 """
 
 from __future__ import annotations
