@@ -29,8 +29,7 @@ def test_there_are_passes() -> None:
 def test_one_verb_noun_pass_per_file_with_a_one_line_docstring_and_a_test(path: Path) -> None:
     tree = ast.parse(path.read_text())
     doc = ast.get_docstring(tree, clean=False)
-    want = {"dls": "DLS", "onnx": "Onnx"}
-    name = "".join(want.get(p, p.capitalize()) for p in path.stem.split("_"))
+    name = _class_name(path)
     assert doc is not None and "\n" not in doc.strip(), f"{path.name}: module docstring must be one line"
     assert doc.startswith(f"{name}: "), f"{path.name}: docstring must start with '{name}: '"
     classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Pass")]
@@ -64,3 +63,18 @@ def test_no_module_is_named_like_a_public_name() -> None:
     # `formats` is public as the module itself (dlspass.formats)
     clash = {name for name in dlspass.__all__ if name in modules and name != "formats"}
     assert clash == set()
+
+
+def test_the_passes_package_docstring_names_every_pass() -> None:
+    import dlspass.passes
+
+    doc = dlspass.passes.__doc__ or ""
+    missing = [p.stem for p in PASS_FILES
+               if f"``{p.stem.removesuffix('_pass')}``" not in doc
+               and _class_name(p) not in doc]
+    assert missing == []
+
+
+def _class_name(path: Path) -> str:
+    want = {"dls": "DLS", "onnx": "Onnx"}
+    return "".join(want.get(p, p.capitalize()) for p in path.stem.split("_"))
