@@ -581,3 +581,27 @@ def test_float64_parameters_are_a_clear_error_at_the_first_call():
     with pytest.raises(dlspass.DLSInputError, match=r"float32 master weights, found torch.float64"):
         step(x.double(), y.double())
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True))
+
+
+def test_two_backward_calls_are_refused_at_the_first_call_with_the_workaround():
+    """dlspass.compile scales one seed: a step accumulating two micro-batches is refused at the
+    first call (one line, saying how to accumulate) and no parameter moves."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = copy.deepcopy(model.state_dict())
+
+    def step(x, y):
+        for xs, ys in ((x[:4], y[:4]), (x[4:], y[4:])):
+            F.mse_loss(model(xs), ys).backward()
+        opt.step()
+        opt.zero_grad()
+
+    cstep = dlspass.compile(step, optimizer=opt, scaler=dlspass.GradScaler(loss_scale="dynamic"),
+                            mixed_precision=False, backend_compiler="eager")
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    with pytest.raises(CompileError, match="found 2: call loss.backward.. exactly once") as info:
+        cstep(x, y)
+    assert "\n" not in str(info.value) and "sum their losses" in str(info.value)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

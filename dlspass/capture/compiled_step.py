@@ -325,7 +325,8 @@ def find_seed(graph: fx.Graph) -> fx.Node:
              and _is_scalar(n)]
     if len(seeds) != 1:
         raise CompileError(f"expected one backward seed (ones_like(loss)) in the step, found {len(seeds)}: "
-                           "call loss.backward() exactly once on a scalar loss")
+                           "call loss.backward() exactly once on a scalar loss (to accumulate "
+                           "micro-batches, sum their losses and call backward on the sum)")
     return seeds[0]
 
 

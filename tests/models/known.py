@@ -25,6 +25,11 @@ ONE_GRAPH = Known(
     "by design: `dlspass.compile` compiles a whole step as one graph and rejects a graph break "
     "at the first call with a one-line CompileError (use `backend=\"dlspass\"` with the eager "
     "scaler)")
+ONE_BACKWARD = Known(
+    "by design: `dlspass.compile` traces one backward per step (the one seed it scales); two "
+    "backward calls are refused at the first call with a one-line CompileError that says to "
+    "sum the micro-batch losses and call backward once; `backend=\"dlspass\"` and "
+    "`make_backend` accumulate")
 CONVNEXT_FLOAT16 = Known(
     "float16's range, not dlspass: at the matrix's initial scale 2^10 ConvNeXt's smallest "
     "gradients still fall below float16's smallest subnormal (2^-24) and flush to zero, so the "
@@ -40,6 +45,8 @@ def _key(model: str, entry: str, fmt: str, accumulate: bool = False) -> str:
 KNOWN: dict[str, Known] = {
     **{_key("graph_break", "dlspass.compile", f): ONE_GRAPH for f in FORMATS},
     _key("graph_break", "dlspass.compile", "fp32", True): ONE_GRAPH,
+    **{_key(m, "dlspass.compile", "fp32", True): ONE_BACKWARD
+       for m in ("resnet", "convnext", "vit", "bert", "gpt2", "t5")},
     **{_key("convnext", e, "float16"): CONVNEXT_FLOAT16
        for e in ("capture_step", "cli", "dlspass.compile", "make_backend", "backend=dlspass")},
 }
