@@ -309,11 +309,10 @@ class GradScaler:
         # The config the math runs on: `config`, or a copy with fp16_type="bfloat16" once a
         # bfloat16 loss turned scaling off at run time (see `scale`).
         self._active_config = config
-        # set by a dlspass.make_backend graph that unscaled and checked the gradients itself
+        # set (ANDed) by the dlspass.make_backend graphs that unscaled and checked the gradients
+        # themselves; it covers every gradient of the step's graphs, so every optimizer's
+        # unscale_ reads it, and only the step's end (`_end_step`) clears it
         self.backend_found_finite: Tensor | None = None
-        # ... and taken from it by the step's first unscale_: it covers every gradient of the
-        # step's graphs, so every optimizer of the step reads it, until update()
-        self._step_backend_flag: Tensor | None = None
         self._lazy_device = device is None
         self.state: ScalerState = init_state(config, device)
         self._per_opt: dict[int, dict[str, Any]] = {}
@@ -380,12 +379,11 @@ class GradScaler:
         scale = self.state.loss_scale
         return _map_tensors(outputs, lambda t: t * scale.to(t.device))
 
-    def _take_backend_flag(self) -> Tensor | None:
-        """make_backend's flag for this step, taken whatever path ``unscale_`` runs, so a step
-        that returns early cannot leave it to decide (or be ANDed into) the next step's."""
-        if self.backend_found_finite is not None:
-            self._step_backend_flag, self.backend_found_finite = self.backend_found_finite, None
-        return self._step_backend_flag
+    def _end_step(self) -> None:
+        """Forget the step's per-optimizer records and make_backend's flag (at ``update`` and
+        when a checkpoint is loaded), whatever path each ``unscale_`` took."""
+        self._per_opt = {}
+        self.backend_found_finite = None
 
     def _record(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return self._per_opt.setdefault(id(optimizer), {"stage": None, "isfinite": None})
@@ -405,7 +403,7 @@ class GradScaler:
                                "step(), once per optimizer per iteration")
         rec["stage"] = _UNSCALED
         device = self.state.loss_scale.device
-        backend_flag = self._take_backend_flag()
+        backend_flag = self.backend_found_finite
         if not self._needs_grad_work():
             rec["isfinite"] = torch.ones((), dtype=torch.bool, device=device)
             return
@@ -579,8 +577,7 @@ class GradScaler:
         flags = [r["isfinite"] for r in self._per_opt.values() if r["isfinite"] is not None]
         self._last_stepped = {k: r["isfinite"] for k, r in self._per_opt.items()
                               if r["stage"] == _STEPPED}
-        self._per_opt = {}
-        self._step_backend_flag = None
+        self._end_step()
         if not self._active_config.enabled:
             return
         if not flags:
@@ -714,8 +711,7 @@ class GradScaler:
         """
         if state_dict is None or (isinstance(state_dict, Mapping) and not state_dict):
             device = self.state.loss_scale.device
-            self._per_opt = {}
-            self._step_backend_flag = None
+            self._end_step()
             self.state = init_state(self.config, device)
             self._found_inf = torch.zeros((), dtype=torch.bool, device=device)
             return
@@ -723,8 +719,7 @@ class GradScaler:
 
     def _install(self, config: DLSConfig, state: ScalerState | None) -> None:
         """The only place a checkpoint changes the scaler: after every entry was checked."""
-        self._per_opt = {}
-        self._step_backend_flag = None
+        self._end_step()
         self._commit_config(config)
         if state is not None:
             self.state = state
@@ -968,7 +963,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         values unscaled, and no host sync happens here.
         """
         if not self.is_enabled():
-            self._take_backend_flag()  # this step's flag; a disabled scaler ignores it
+            self.backend_found_finite = None  # a disabled scaler ignores it (and has no update)
             return
         self._check_scale_growth_tracker("unscale_")
         rec = self._record(optimizer)
@@ -982,7 +977,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
 
     def _found_infs(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
         scale = self.state.loss_scale
-        flag = self._take_backend_flag()
+        flag = self.backend_found_finite
         group = distributed.resolve_group(self.process_group)
         if group is not None:
             _refuse_backend_flag_with_group(flag)
@@ -1106,8 +1101,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         self._found_inf = overflow
         self._last_stepped = {k: r["isfinite"] for k, r in records.items()
                               if r["stage"] == _STEPPED and r["isfinite"] is not None}
-        self._per_opt = {}
-        self._step_backend_flag = None
+        self._end_step()
         self._count_update()
 
     def _checked_new_scale(self, new_scale: float | Tensor, scale: Tensor) -> Tensor:

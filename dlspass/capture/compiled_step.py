@@ -338,9 +338,6 @@ def _is_scalar(node: fx.Node) -> bool:
     return isinstance(val, Tensor) and val.dim() == 0
 
 
-_UPDATE_OF = roles.UPDATE_OF_SOURCE  # compiled steps have no BUFFER placeholders
-
-
 def tag_aot_graph(gm: fx.GraphModule) -> None:
     """Give the AOTAutograd step graph the role contract ``apply_dls`` reads (dlspass.graph.roles).
 
@@ -357,8 +354,8 @@ def tag_aot_graph(gm: fx.GraphModule) -> None:
     out_roles: list[tuple[str, str | None]] = []
     for val in roles.output_values(graph):
         ph = val.args[0] if (isinstance(val, fx.Node) and val.target is torch.ops.aten.copy.default) else None
-        if isinstance(ph, fx.Node) and ph.op == "placeholder" and roles.role_of(ph) in _UPDATE_OF:
-            out_roles.append((_UPDATE_OF[roles.role_of(ph)], roles.target_of(ph)))
+        if isinstance(ph, fx.Node) and ph.op == "placeholder" and roles.role_of(ph) in roles.UPDATE_OF_SOURCE:
+            out_roles.append((roles.UPDATE_OF_SOURCE[roles.role_of(ph)], roles.target_of(ph)))
         else:
             out_roles.append((roles.LOSS, None))
     roles.set_output_roles(graph, out_roles)

@@ -14,7 +14,7 @@ backward graph (``dlspass.passes.scale_backward_pass.ScaleBackwardPass``, the
 ``dlspass.scale_policy`` math the scaler runs eagerly). The scale enters and the overflow flag leaves through an extra placeholder and
 output that a boxed wrapper threads (no host sync): the flag lands in
 ``scaler.backend_found_finite`` (a 0-d bool tensor) for the scaler's ``step``/``update``. The
-flags of every backward graph run since the scaler last consumed it (several graphs after a
+flags of every backward graph run since the scaler's last ``update`` (several graphs after a
 graph break, several backward calls under gradient accumulation) combine with AND, so an
 overflow in any of them skips the step.
 """
@@ -222,8 +222,7 @@ class DLSBackend:
                 res = inner([*args, scaler.state.loss_scale])
                 # A graph break gives one backward graph per piece, and gradient accumulation
                 # one backward call per micro-batch: the step is finite only if every one of
-                # them was. The scaler's unscale_ (or step) consumes the flag and resets it,
-                # once per step.
+                # them was. The scaler's update() resets the flag, once per step.
                 seen = scaler.backend_found_finite
                 scaler.backend_found_finite = res[-1] if seen is None else seen & res[-1]
                 return res[:-1]
@@ -254,8 +253,8 @@ def make_backend(scaler: GradScaler | None = None, **options: Any) -> DLSBackend
 
     With ``scaler`` (a ``dlspass.GradScaler``), the backward graph multiplies the seed by
     ``scaler.state.loss_scale``, returns unscaled gradients and ANDs its finite flag into
-    ``scaler.backend_found_finite``, which ``scaler.unscale_`` (or ``step``) reads and resets
-    once per step (so every backward graph of a model with graph breaks, and every backward
+    ``scaler.backend_found_finite``, which every ``scaler.unscale_`` (or ``step``) of the step
+    reads and ``scaler.update`` resets (so every backward graph of a model with graph breaks, and every backward
     call of an accumulated step, counts); clipping, if configured, happens there. The gradients
     autograd accumulates are already unscaled, so do not call ``scaler.scale(loss)``; call
     ``scaler.step(optimizer)`` and ``scaler.update()`` as usual. Options as for

@@ -41,7 +41,6 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 import torch
-import torch.fx as fx
 
 from dlspass.capture.exported import META_FILE, InputError, quiet_torch, write_atomic
 from dlspass.capture.program import flat_tuple_spec, make_program, user_outputs
@@ -61,11 +60,6 @@ from dlspass.passes.insert_dls_onnx_pass import InsertDLSOnnxPass
 from dlspass.passes.lower_precision_onnx_pass import LowerPrecisionOnnxPass
 
 
-def _bool_where_to_logic(gm: fx.GraphModule) -> int:
-    """``where(c, a, b)`` on bool tensors -> logic ops (``ExpandBoolWherePass``); 1 if any changed."""
-    return int(ExpandBoolWherePass()(gm).modified)
-
-
 def _relabelled(step: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """A copy of ``step`` whose outputs are all USER_OUTPUT with a flat-tuple out_spec."""
     from dlspass.formats import decompose_rounding
@@ -75,7 +69,7 @@ def _relabelled(step: torch.export.ExportedProgram) -> torch.export.ExportedProg
     decompose_rounding(gm, form="arith")
     if sum(n.op == "get_attr" for n in gm.graph.nodes) != constants:
         raise GraphContractError("round_arith traced a tensor constant; cannot splice it into the program")
-    _bool_where_to_logic(gm)
+    ExpandBoolWherePass()(gm)  # onnxruntime's CPU Where has no bool kernel
     # by the output node's values: the rewrites above may have replaced an output node
     outs = user_outputs(gm.graph)
     old = step.module_call_graph[0].signature
