@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +106,20 @@ def gpt_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
 def mse_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     x, y = batch
     return F.mse_loss(model(x), y)
+
+
+def mse_train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Tensor, Tensor], Tensor]:
+    """``step(x, y)``: an MSE loss, its backward and ``optimizer.step()``, written as a user
+    writes it, for ``dlspass.compile`` to compile whole; returns the detached loss."""
+
+    def train_step(x: Tensor, y: Tensor) -> Tensor:
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return train_step
 
 
 def ce_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:

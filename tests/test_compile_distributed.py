@@ -41,12 +41,11 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _scenario(rank: int, world: int) -> dict:
-    import torch.nn.functional as F
     from torch._dynamo.utils import counters
 
     import dlspass
     from dlspass.distributed import collective_nodes
-    from dlspass.models import MLP
+    from dlspass.models import MLP, mse_train_step
 
     torch.manual_seed(rank)  # different on purpose: the first call broadcasts rank 0's
     model = MLP()
@@ -54,12 +53,7 @@ def _scenario(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     scaler = dlspass.GradScaler(loss_scale="dynamic", init_scale=INIT_SCALE, steps_per_increase=2)
 
-    def train_step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    train_step = mse_train_step(model, opt)
 
     step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, mixed_precision=False,
                            backend_compiler="eager", process_group=torch.distributed.group.WORLD)

@@ -21,7 +21,7 @@ import dlspass
 from dlspass.capture.compiled_step import CompileError
 from dlspass.debug.faults import FAULT_STEP, PRE_FAULT_GRAD, Fault, FaultError, install_faults
 from dlspass.graph import roles
-from dlspass.models import MLP
+from dlspass.models import MLP, mse_train_step
 
 STEPS = 12
 FAULTS = [
@@ -45,12 +45,7 @@ def _make(backend_compiler: str = "eager"):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     scaler = dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10, steps_per_increase=3)
 
-    def train_step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    train_step = mse_train_step(model, opt)
 
     step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, mixed_precision=False,
                            backend_compiler=backend_compiler)

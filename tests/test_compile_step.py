@@ -17,7 +17,7 @@ from dlspass.capture.compiled_step import CompileError
 from dlspass.config import ConfigError
 from dlspass.debug.kernel_count import KernelCount, count_kernels
 from dlspass.graph import roles
-from dlspass.models import MLP, TinyGPT, copy_task_batch, gpt_loss
+from dlspass.models import MLP, TinyGPT, copy_task_batch, gpt_loss, mse_train_step
 
 OVERFLOW_STEPS = (4, 9, 10)
 
@@ -43,12 +43,7 @@ def _compiled_mlp(opt_cls, opt_kw, scaler, module=MLP, **compile_kw):
     reference = copy.deepcopy(model)
     opt = opt_cls(model.parameters(), **opt_kw)
 
-    def train_step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    train_step = mse_train_step(model, opt)
 
     compile_kw.setdefault("backend_compiler", "eager")
     step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, **compile_kw)

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent('''
     import torch.distributed as dist
     import torch.nn.functional as F
     import dlspass
-    from dlspass.models import MLP, mse_loss
+    from dlspass.models import MLP, mse_loss, mse_train_step
 
     classes, functions, modules = {classes!r}, {functions!r}, {modules!r}
 
@@ -93,12 +93,7 @@ SCRIPT = textwrap.dedent('''
     # dlspass.compile and make_backend, without inductor (fast)
     model, opt = fresh()
 
-    def train_step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    train_step = mse_train_step(model, opt)
 
     dlspass.compile(train_step, optimizer=opt, scaler=dlspass.GradScaler(),
                     backend_compiler="eager")(*batch)
