@@ -42,6 +42,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from dlspass import scale_policy
+from dlspass.capture import dynamo_backend
 from dlspass.capture.dynamo_backend import BACKEND_COMPILERS
 from dlspass.capture.optim import (
     SUPPORTED_OPTIMIZERS,
@@ -372,11 +373,12 @@ def write_updates_in_place(gm: fx.GraphModule) -> int:
     return write.moved
 
 
-def _make_fw_compiler(step: CompiledStep) -> Callable[[fx.GraphModule, list[Any]], Callable]:
-    from dlspass.capture import dynamo_backend
+def _make_step_rewrite(step: CompiledStep) -> dynamo_backend.Rewrite:
+    """The rewrite of the AOT step graph (tagging, graph passes, DLS, in-place updates) that
+    ``dynamo_backend.aot_backend`` applies before it compiles the graph."""
     from dlspass.passes import apply_dls
 
-    def fw_compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    def rewrite(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[Any], Callable[[Callable], Callable]]:
         tag_aot_graph(gm)
         n_inputs = len(gm.graph.find_nodes(op="placeholder"))
         for graph_pass in step.graph_passes:
@@ -386,7 +388,7 @@ def _make_fw_compiler(step: CompiledStep) -> Callable[[fx.GraphModule, list[Any]
 
             # before apply_dls: DLS unscales and checks the averaged gradients
             insert_grad_allreduce(gm, step.process_group)
-        gm = apply_dls(gm, step.config)
+        apply_dls(gm, step.config)
         if step.process_group is not None and step.config.dynamic:
             from dlspass.distributed import insert_flag_allreduce
 
@@ -399,23 +401,24 @@ def _make_fw_compiler(step: CompiledStep) -> Callable[[fx.GraphModule, list[Any]
         step.graphs.append(gm)
         write_updates_in_place(gm)
         if not extra:
-            return dynamo_backend.finish(gm, example_inputs, step.backend_compiler)
+            return example_inputs, lambda compiled: compiled
         providers = [step.extra_inputs[t] for t in extra]
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         extra_examples = [p() for p in providers]
         if fake_mode is not None:
             extra_examples = [fake_mode.from_tensor(t) for t in extra_examples]
-        compiled = dynamo_backend.finish(gm, [*example_inputs, *extra_examples], step.backend_compiler)
 
-        # the extra inputs are read when the graph runs, so changing them never recompiles
-        def run(args: list[Any]) -> Any:
-            args = [*args, *(p() for p in providers)]
-            return compiled(args)
+        def wrap(compiled: Callable) -> Callable:
+            # the extra inputs are read when the graph runs, so changing them never recompiles
+            def run(args: list[Any]) -> Any:
+                return compiled([*args, *(p() for p in providers)])
 
-        run._boxed_call = True  # type: ignore[attr-defined]
-        return run
+            run._boxed_call = True  # type: ignore[attr-defined]
+            return run
 
-    return fw_compiler
+        return [*example_inputs, *extra_examples], wrap
+
+    return rewrite
 
 
 # ---- public entry point ----------------------------------------------------------------------
@@ -454,9 +457,14 @@ class CompiledStep:
         self.process_group = _resolve_process_group(process_group)
         self._broadcast_pending = broadcast_params and self.process_group is not None
         self._ctx = _StepContext(optimizer, scaler, config)
-        from torch._dynamo.backends.common import aot_autograd
+        rewrite = _make_step_rewrite(self)
 
-        backend = aot_autograd(fw_compiler=_make_fw_compiler(self))
+        def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+            # the step has no backward graph of its own (its backward is traced into the
+            # forward); the step graph keeps its mutations as outputs (tag_aot_graph reads them)
+            return dynamo_backend.aot_backend(gm, example_inputs, rewrite, rewrite, self.backend_compiler,
+                                              mutations_in_graph=False)
+
         self._compiled = torch.compile(fn, backend=backend, fullgraph=True)
         functools.update_wrapper(self, fn)
         self.__signature__ = inspect.signature(fn)

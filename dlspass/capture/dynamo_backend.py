@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.fx as fx
 from torch import Tensor
 
@@ -72,27 +73,6 @@ def lower_precision(gm: fx.GraphModule, fp16_type: str) -> fx.GraphModule:
     return LowerPrecisionPass(fp16_type, "emulate")(gm).graph_module
 
 
-def finish(gm: fx.GraphModule, example_inputs: list[Any], backend_compiler: str) -> Callable:
-    """A boxed callable for ``gm``: inductor after bit-level rounding, or the graph as is."""
-    from functorch.compile import make_boxed_func
-
-    if backend_compiler == "eager":
-        return make_boxed_func(gm.forward)
-    from torch._inductor.compile_fx import compile_fx
-
-    from dlspass.formats import decompose_rounding
-
-    decompose_rounding(gm)
-    compiled = compile_fx(gm, example_inputs)
-
-    # compile_fx hands back AOTAutograd's forward, which takes unpacked arguments
-    def run(args: list[Any]) -> Any:
-        return compiled(*args)
-
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
-
-
 def decompose_for_inductor(gm: fx.GraphModule) -> int:
     """Bring the ops dlspass added to an AOT graph into inductor's op set, in place
     (``DecomposeForInductorPass``); returns the number of nodes replaced."""
@@ -105,14 +85,20 @@ def decompose_for_inductor(gm: fx.GraphModule) -> int:
 
 # ---- backends ----------------------------------------------------------------------------------
 
+_SEED_OPS = (torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default)
+
 # A rewrite of one AOT graph, in place: it returns the example inputs the rewritten graph takes
 # and a wrapper for the compiled callable (the identity unless the graph's signature changed).
 Rewrite = Callable[[fx.GraphModule, list[Any]], tuple[list[Any], Callable[[Callable], Callable]]]
 
 
-def _aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewrite,
-                 bw_rewrite: Rewrite, backend_compiler: str) -> Callable:
+def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewrite,
+                bw_rewrite: Rewrite, backend_compiler: str, *, mutations_in_graph: bool = True) -> Callable:
     """AOTAutograd over dynamo's graph, each AOT graph rewritten, then compiled.
+
+    ``mutations_in_graph``: an inference graph keeps its input mutations as ``copy_`` nodes
+    (inductor's own setting); False returns them as outputs (the step graph's contract, which
+    ``tag_aot_graph`` reads).
 
     For inductor this is inductor's own hand-off (``compile_fx``'s aot path): the joint graph
     is traced once with inductor's decompositions and partitioner, and the rewritten forward
@@ -146,8 +132,11 @@ def _aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewr
                                           num_example_inputs=n_inputs, compiler_config_extra=extra,
                                           is_inference=is_inference)
 
-        kwargs = {"decompositions": select_decomp_table(), "partition_fn": cfx.partition_fn,
-                  "keep_inference_input_mutations": True}
+        # ones_like/full_like stay whole through the trace: the step's backward seed is found as
+        # one (compiled_step.find_seed); DecomposeForInductorPass decomposes them afterwards
+        table = {op: fn for op, fn in select_decomp_table().items() if op not in _SEED_OPS}
+        kwargs = {"decompositions": table, "partition_fn": cfx.partition_fn}
+    kwargs["keep_inference_input_mutations"] = mutations_in_graph and backend_compiler != "eager"
 
     def compiler(rewrite: Rewrite, is_backward: bool, is_inference: bool = False) -> Callable:
         def run(g: fx.GraphModule, ex: Any) -> Callable:
@@ -200,7 +189,7 @@ class DLSBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         bw = self._lower if self.scaler is None else self._scale_and_lower
-        return _aot_backend(gm, example_inputs, self._lower, bw, self.options["backend_compiler"])
+        return aot_backend(gm, example_inputs, self._lower, bw, self.options["backend_compiler"])
 
     def _lower(self, gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[Any], Callable]:
         if self.options["mixed_precision"]:

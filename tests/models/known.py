@@ -30,12 +30,6 @@ ONE_BACKWARD = Known(
     "backward calls are refused at the first call with a one-line CompileError that says to "
     "sum the micro-batch losses and call backward once; `backend=\"dlspass\"` and "
     "`make_backend` accumulate")
-T5_COMPILE_INDUCTOR = Known(
-    "dlspass: `dlspass.compile` hands its rewritten step graph to inductor's top-level "
-    "`compile_fx`, which traces it again with other decompositions; a recorded `view` of T5's "
-    "attention value then fails inside inductor at the first call (the class of failure the "
-    "`dlspass` backend had before it took inductor's own hand-off, `compile_fx_forward`; the same "
-    "change is due here). With `backend_compiler=\"eager\"` the cell works")
 CONVNEXT_FLOAT16 = Known(
     "float16's range, not dlspass: at the matrix's initial scale 2^10 ConvNeXt's smallest "
     "gradients still fall below float16's smallest subnormal (2^-24) and flush to zero, so the "
@@ -53,7 +47,6 @@ KNOWN: dict[str, Known] = {
     _key("graph_break", "dlspass.compile", "fp32", True): ONE_GRAPH,
     **{_key(m, "dlspass.compile", "fp32", True): ONE_BACKWARD
        for m in ("resnet", "convnext", "vit", "bert", "gpt2", "t5")},
-    _key("t5", "dlspass.compile", "cbfloat16"): T5_COMPILE_INDUCTOR,
     **{_key("convnext", e, "float16"): CONVNEXT_FLOAT16
        for e in ("capture_step", "cli", "dlspass.compile", "make_backend", "backend=dlspass")},
 }
