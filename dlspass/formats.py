@@ -69,7 +69,10 @@ _CHUNK = 32000  # eager chunk: < ATen's 32768 parallel grain, ~500 KiB of buffer
 # Tensors at least this large use a lazily compiled (inductor, one fused loop) bit kernel in
 # eager mode; tests and tiny models never reach it. DLSPASS_ROUNDING_COMPILE=0 turns it off.
 COMPILE_MIN_NUMEL = 1 << 22
-FORMS = ("bits", "arith")  # the plain-op forms of the rounding op (round_bits, round_arith)
+# the plain-op forms of the rounding op: round_bits, round_arith, and "cast" (round_bits, except
+# that float16 and bfloat16 without switches are a cast there and back; for inductor with
+# emulate_precision_casts, which otherwise drops the round trip)
+FORMS = ("bits", "arith", "cast")
 ROUNDED_KEY = "dlspass_rounded"  # meta["custom"] key: the format a decomposed rounding rounds to
 
 
@@ -451,8 +454,28 @@ def round_node_args(node: fx.Node) -> tuple[fx.Node, str, bool, bool]:
     return vals["x"], vals["fmt"], bool(vals["saturate"]), bool(vals["flush_to_zero"])
 
 
+# What inductor must be told when it compiles a graph with the "cast" form: without it, its C++
+# codegen treats a float32 -> float16 -> float32 round trip as a no-op (pytorch#115260's cache).
+INDUCTOR_CONFIG = {"emulate_precision_casts": True}
+
+
 def round_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
-    """``x -> round_bits(x, ...)`` (or ``round_arith`` for ``form="arith"``) with the options bound."""
+    """``x -> round_bits(x, ...)`` (or ``round_arith`` for ``form="arith"``) with the options bound.
+
+    ``form="cast"``: a format torch has as a dtype (float16, bfloat16) without switches rounds by
+    a cast there and back, as the eager kernel does: two ops instead of about twenty, so a graph
+    that rounds at every matmul stays small for inductor (bitwise the same as ``round_bits``
+    but for NaN payloads). Inductor keeps the round trip only under its
+    ``emulate_precision_casts`` (``INDUCTOR_CONFIG``); other formats get ``round_bits``.
+    """
+    f = get_format(fmt)
+    if form == "cast" and _native_ok(f, saturate, flush_to_zero):
+        dtype = f.torch_dtype
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype).to(torch.float32)
+
+        return cast
     impl = round_arith if form == "arith" else round_bits
 
     # make_fx needs a signature of exactly the traced arguments (no defaults)

@@ -1,4 +1,4 @@
-"""DecomposeForInductorPass: the rounding op becomes int32 bit ops and every node whose op is in inductor's decomposition table is replaced by that op's decomposition, traced alone on its fake values."""
+"""DecomposeForInductorPass: the rounding op becomes plain aten ops (a cast round trip for float16/bfloat16, int32 bit ops otherwise) and every node whose op is in inductor's decomposition table is replaced by that op's decomposition, traced alone on its fake values."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class DecomposeForInductorPass(PassBase):
         from dlspass.formats import decompose_rounding
 
         table = self.table if self.table is not None else select_decomp_table()
-        count = decompose_rounding(gm, decompositions=table)
+        count = decompose_rounding(gm, form="cast", decompositions=table)
         graph = gm.graph
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target in table and _replace(graph, node, table):

@@ -118,7 +118,10 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
             return make_boxed_func(g.forward)
     else:
         from torch._inductor import compile_fx as cfx
+        from torch._inductor import config as inductor_config
         from torch._inductor.decomposition import select_decomp_table
+
+        from dlspass.formats import INDUCTOR_CONFIG
 
         extra = cfx.create_compiler_config_extra(gm)
         n_outputs, n_inputs = cfx.get_num_model_outputs(gm), len(example_inputs)
@@ -126,11 +129,12 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
         def compile_graph(g: fx.GraphModule, ex: list[Any], is_backward: bool,
                           is_inference: bool) -> Callable:
             decompose_for_inductor(g)
-            if is_backward:
-                return cfx.compile_fx_backward(g, ex, compiler_config_extra=extra)
-            return cfx.compile_fx_forward(g, ex, num_orig_model_outputs=n_outputs,
-                                          num_example_inputs=n_inputs, compiler_config_extra=extra,
-                                          is_inference=is_inference)
+            with inductor_config.patch(INDUCTOR_CONFIG):  # keeps the rounding casts
+                if is_backward:
+                    return cfx.compile_fx_backward(g, ex, compiler_config_extra=extra)
+                return cfx.compile_fx_forward(g, ex, num_orig_model_outputs=n_outputs,
+                                              num_example_inputs=n_inputs, compiler_config_extra=extra,
+                                              is_inference=is_inference)
 
         # ones_like/full_like stay whole through the trace: the step's backward seed is found as
         # one (compiled_step.find_seed); DecomposeForInductorPass decomposes them afterwards

@@ -260,13 +260,15 @@ class CapturedStep:
 
 
 def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    from dlspass.formats import decompose_rounding
+    from dlspass.formats import INDUCTOR_CONFIG, decompose_rounding
 
     gm = copy.deepcopy(gm)  # the rewritten graph stays inspectable, with its rounding op
-    decompose_rounding(gm)
-    return compile_fx(gm, example)
+    decompose_rounding(gm, form="cast")
+    with inductor_config.patch(INDUCTOR_CONFIG):
+        return compile_fx(gm, example)
 
 
 def _make_scaler(config: DLSConfig | None) -> Any:
