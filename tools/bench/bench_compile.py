@@ -37,6 +37,7 @@ from dlspass.debug.kernel_count import count_kernels
 from dlspass.models import TinyGPT, copy_task_batch, gpt_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines import torch_best_practice_step
 from breakdown import BUCKETS, breakdown
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compile.md"
@@ -74,20 +75,7 @@ def _dlspass_step(scaler: dlspass.GradScaler | None, n_layer: int = 2, **kw: obj
 
 
 def _torch_step() -> Callable:
-    model = _model()
-    cmodel = torch.compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    scaler = torch.amp.GradScaler("cpu")
-
-    def train_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = gpt_loss(cmodel, (idx, targets))
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return train_step
+    return torch_best_practice_step(_model(), lambda m, idx, tgt: gpt_loss(m, (idx, tgt)), lr=1e-3)
 
 
 BUILDERS: dict[str, Callable[[], Callable]] = {

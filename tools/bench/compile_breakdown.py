@@ -1,7 +1,8 @@
 """Where the first call of a compiled training step spends its time.
 
 Usage: ``.venv/bin/python tools/bench/compile_breakdown.py [--model tinygpt|demo|gpt2]
-[--configs dls,plain,torch,cb16] [--warm] [--json]``
+[--configs dls,plain,torch,cb16] [--warm] [--json]``; ``--model demo`` builds the steps
+``dlspass demo`` compiles (its model, Adam and float16; `_build_demo`).
 
 Each configuration compiles in its own child process with a fresh ``TORCHINDUCTOR_CACHE_DIR``
 (cold: nothing cached), so every row pays import-free, cache-free compile time; ``--warm`` runs
@@ -40,11 +41,14 @@ COLUMNS = ("first call", "restarted trace (wasted)", "dynamo + AOT + dlspass", "
 
 def _build(model_name: str, config: str) -> tuple[Callable, tuple]:
     import torch
+    from baselines import torch_best_practice_step  # this folder: the script's sys.path[0]
 
     import dlspass
     from dlspass.models import TinyGPT, copy_task_batch, gpt_loss
 
     torch.manual_seed(0)
+    if model_name == "demo":
+        return _build_demo(config)
     if model_name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -55,26 +59,14 @@ def _build(model_name: str, config: str) -> tuple[Callable, tuple]:
         def loss_of(m: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
             return m(input_ids=idx, labels=tgt).loss
     else:
-        vocab, d, seq, batch = (64, 128, 64, 16) if model_name == "tinygpt" else (16, 32, 16, 16)
+        vocab, d, seq, batch = 64, 128, 64, 16
         model = TinyGPT(vocab=vocab, d=d, n_layer=2, n_head=2, block_size=seq)
 
         def loss_of(m: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
             return gpt_loss(m, (idx, tgt))
     data = copy_task_batch(vocab, batch, seq, torch.Generator().manual_seed(0))
     if config == "torch":
-        cmodel = torch.compile(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-        scaler = torch.amp.GradScaler("cpu")
-
-        def torch_step(idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-            loss = loss_of(cmodel, idx, tgt)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return torch_step, data
+        return torch_best_practice_step(model, loss_of, lr=1e-3), data
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def train_step(idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -92,6 +84,38 @@ def _build(model_name: str, config: str) -> tuple[Callable, tuple]:
     if config == "cb16":
         kw = {}
     return dlspass.compile(train_step, optimizer=opt, scaler=scaler, **kw), data
+
+
+def _build_demo(config: str) -> tuple[Callable, tuple]:
+    """The steps ``dlspass demo`` compiles: its model, optimizer, step function and float16
+    (``plain`` is its run without scaling; ``cb16`` the DLS step in cbfloat16; ``torch`` the
+    same model and weighted loss in float32 under ``torch.compile`` with fused Adam and
+    ``torch.amp.GradScaler``)."""
+    import torch
+    import torch.nn.functional as F
+    from baselines import torch_best_practice_step
+
+    import dlspass
+    from dlspass.cli import demo
+    from dlspass.models import copy_task_batch
+
+    model, opt = demo._model_and_optimizer(0)
+    idx, tgt = copy_task_batch(demo._VOCAB, demo._BATCH, demo._SEQ, torch.Generator().manual_seed(0))
+    data = (idx, tgt, torch.tensor(1.0))
+    if config == "torch":
+        def weighted(m: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor,
+                     spike: torch.Tensor) -> torch.Tensor:
+            logits = m(idx)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+            return loss * demo.LOSS_WEIGHT * spike
+
+        return torch_best_practice_step(model, weighted, torch.optim.Adam, lr=demo._LR,
+                                        eps=demo._EPS), data
+    fmt = "cbfloat16" if config == "cb16" else demo._FORMAT
+    scaler = (dlspass.GradScaler(loss_scale="dynamic", fp16_type=fmt,
+                                 steps_per_increase=demo._STEPS_PER_INCREASE)
+              if config in ("dls", "cb16") else None)
+    return dlspass.compile(demo._step_fn(model, opt), optimizer=opt, scaler=scaler, fp16_type=fmt), data
 
 
 def _time_dlspass_passes() -> dict[str, float]:
