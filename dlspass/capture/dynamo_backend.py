@@ -93,12 +93,14 @@ Rewrite = Callable[[fx.GraphModule, list[Any]], tuple[list[Any], Callable[[Calla
 
 
 def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewrite,
-                bw_rewrite: Rewrite, backend_compiler: str, *, mutations_in_graph: bool = True) -> Callable:
+                bw_rewrite: Rewrite, backend_compiler: str, *, mutations_in_graph: bool = True,
+                inductor_config_extra: dict[str, Any] | None = None) -> Callable:
     """AOTAutograd over dynamo's graph, each AOT graph rewritten, then compiled.
 
     ``mutations_in_graph``: an inference graph keeps its input mutations as ``copy_`` nodes
     (inductor's own setting); False returns them as outputs (the step graph's contract, which
-    ``tag_aot_graph`` reads).
+    ``tag_aot_graph`` reads). ``inductor_config_extra``: settings inductor compiles the graphs with,
+    besides ``dlspass.formats.INDUCTOR_CONFIG``.
 
     For inductor this is inductor's own hand-off (``compile_fx``'s aot path): the joint graph
     is traced once with inductor's decompositions and partitioner, and the rewritten forward
@@ -121,7 +123,7 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
         from torch._inductor import config as inductor_config
         from torch._inductor.decomposition import select_decomp_table
 
-        from dlspass.formats import INDUCTOR_CONFIG
+        from dlspass.formats import INDUCTOR_CONFIG  # keeps the rounding casts
 
         extra = cfx.create_compiler_config_extra(gm)
         n_outputs, n_inputs = cfx.get_num_model_outputs(gm), len(example_inputs)
@@ -129,7 +131,7 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
         def compile_graph(g: fx.GraphModule, ex: list[Any], is_backward: bool,
                           is_inference: bool) -> Callable:
             decompose_for_inductor(g)
-            with inductor_config.patch(INDUCTOR_CONFIG):  # keeps the rounding casts
+            with inductor_config.patch({**INDUCTOR_CONFIG, **(inductor_config_extra or {})}):
                 if is_backward:
                     return cfx.compile_fx_backward(g, ex, compiler_config_extra=extra)
                 return cfx.compile_fx_forward(g, ex, num_orig_model_outputs=n_outputs,
