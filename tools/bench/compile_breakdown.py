@@ -2,7 +2,7 @@
 
 Usage: ``.venv/bin/python tools/bench/compile_breakdown.py [--model tinygpt|demo|gpt2]
 [--configs dls,plain,torch,cb16] [--warm] [--json]``; ``--model demo`` builds the steps
-``dlspass demo`` compiles (its model, Adam and float16; `_build_demo`).
+``dlspass demo`` compiles (its model, Adam and float16; `_build_demo`, which also knows ``fp32``).
 
 Each configuration compiles in its own child process with a fresh ``TORCHINDUCTOR_CACHE_DIR``
 (cold: nothing cached), so every row pays import-free, cache-free compile time; ``--warm`` runs
@@ -88,7 +88,8 @@ def _build(model_name: str, config: str) -> tuple[Callable, tuple]:
 
 def _build_demo(config: str) -> tuple[Callable, tuple]:
     """The steps ``dlspass demo`` compiles: its model, optimizer, step function and float16
-    (``plain`` is its run without scaling; ``cb16`` the DLS step in cbfloat16; ``torch`` the
+    (``plain`` is its run without scaling; ``cb16`` the DLS step in cbfloat16; ``fp32`` the DLS
+    step without lowering (``mixed_precision=False``); ``torch`` the
     same model and weighted loss in float32 under ``torch.compile`` with fused Adam and
     ``torch.amp.GradScaler``)."""
     import torch
@@ -114,8 +115,9 @@ def _build_demo(config: str) -> tuple[Callable, tuple]:
     fmt = "cbfloat16" if config == "cb16" else demo._FORMAT
     scaler = (dlspass.GradScaler(loss_scale="dynamic", fp16_type=fmt,
                                  steps_per_increase=demo._STEPS_PER_INCREASE)
-              if config in ("dls", "cb16") else None)
-    return dlspass.compile(demo._step_fn(model, opt), optimizer=opt, scaler=scaler, fp16_type=fmt), data
+              if config in ("dls", "cb16", "fp32") else None)
+    return dlspass.compile(demo._step_fn(model, opt), optimizer=opt, scaler=scaler, fp16_type=fmt,
+                           mixed_precision=config != "fp32"), data
 
 
 def _time_dlspass_passes() -> dict[str, float]:
