@@ -77,8 +77,11 @@ def test_signal_during_a_write_leaves_no_temporary_file(tmp_path, sig):
     target = folder / "step.pt2"
     target.write_bytes(b"previous")
     ready = tmp_path / "ready"
+    # the signal's default action in the writer, whatever the suite inherited (under nohup,
+    # SIGHUP is ignored, and a writer that ignores it rightly keeps writing)
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITER, str(target), str(ready)],
-                            env={**os.environ, "PYTHONPATH": str(TESTS)})
+                            env={**os.environ, "PYTHONPATH": str(TESTS)},
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     t = time.monotonic()
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() - t < 60, "writer did not start"
