@@ -153,6 +153,9 @@ def test_demo_json_and_out_dir(tmp_path, capsys):
     assert result["fp32"]["losses"][0] == pytest.approx(result["losses"][0], rel=1e-2)
     html = (out_dir / "report.html").read_text()
     assert "<svg" in html and "scaled_seed" in html and "guard" in html
+    # the summary the demo prints, above the graph: the three runs side by side
+    assert html.index("float16, no scaling") < html.index("<svg")
+    assert "float16 + DLS" in html and "float32 (eager torch)" in html
 
 
 def test_no_cpp_compiler_falls_back_to_eager_kernels(monkeypatch, capsys):

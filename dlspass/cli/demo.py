@@ -28,6 +28,7 @@ kept for eager studies that compare against torch.amp.GradScaler.
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import sys
@@ -143,7 +144,7 @@ def run_demo(steps: int = 100, seed: int = 0, out_dir: str | Path | None = None,
     through ``dlspass.compile`` without loss scaling), each with the same loss numbers, and,
     with inductor, ``kernels``: the generated-kernel launches per step with and without DLS and
     their difference. With ``out_dir`` the dict goes to ``out_dir/demo_metrics.json`` and the
-    inspect report of the DLS graph to ``out_dir/report.html``.
+    summary (`format_summary`) above the inspect report of the DLS graph to ``out_dir/report.html``.
 
     ``spikes`` lists 1-based steps of the DLS run whose loss is multiplied by 2**40 before the
     backward, a loss spike whose float16 gradients overflow: DLS skips those steps and halves
@@ -300,7 +301,9 @@ def _train(steps: int, seed: int, out_dir: str | Path | None, quiet: bool,
         from dlspass.debug.inspect_report import render, summarize_graph
 
         report = summarize_graph(step.graphs[0], name="dlspass demo: compiled TinyGPT step (float16, DLS)")
-        _write(Path(out_dir) / "report.html", render(report, "html"))
+        # the demo's summary (the three runs, the spike, the kernel counts) above the DLS graph
+        summary = f"<h2>dlspass demo</h2>\n<pre>{html.escape(format_summary(result))}</pre>\n"
+        _write(Path(out_dir) / "report.html", render(report, "html").replace("<body>", "<body>\n" + summary, 1))
         _write(Path(out_dir) / "demo_metrics.json", json.dumps(result, indent=2) + "\n")
     return result
 
