@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
@@ -10,13 +9,11 @@ from dlspass.graph import roles
 from dlspass.graph.marks import MARK_OP
 from dlspass.passes.base import PassContractError
 
-_SEED_OPS = (torch.ops.aten.full_like.default, torch.ops.aten.ones_like.default)
-
 
 def joint_seeds(graph: fx.Graph, loss_name: str) -> list[fx.Node]:
     """The ``full_like``/``ones_like`` nodes of the loss named ``loss_name`` (one in a joint
     graph from ``torch.export``: the backward seed)."""
-    return [n for n in graph.nodes if n.op == "call_function" and n.target in _SEED_OPS
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in roles.SEED_OPS
             and n.args and getattr(n.args[0], "name", None) == loss_name]
 
 

@@ -322,7 +322,7 @@ def find_seed(graph: fx.Graph) -> fx.Node:
     # a ones_like/full_like of a non-scalar (``x * torch.ones_like(x)`` in the model) is
     # model arithmetic, not a seed: loss.backward() seeds with a 0-d ones_like(loss)
     seeds = [n for n in ancestors if n.op == "call_function"
-             and n.target in (torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default)
+             and n.target in roles.SEED_OPS
              and _is_scalar(n)]
     if len(seeds) != 1:
         raise CompileError(f"expected one backward seed (ones_like(loss)) in the step, found {len(seeds)}: "

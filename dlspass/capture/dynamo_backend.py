@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.fx as fx
 from torch import Tensor
 
 from dlspass.config import FP16_TYPES, ConfigError, DLSConfig
+from dlspass.graph import roles
 
 if TYPE_CHECKING:
     from dlspass.scaler import GradScaler
@@ -85,8 +85,6 @@ def decompose_for_inductor(gm: fx.GraphModule) -> int:
 
 # ---- backends ----------------------------------------------------------------------------------
 
-_SEED_OPS = (torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default)
-
 # A rewrite of one AOT graph, in place: it returns the example inputs the rewritten graph takes
 # and a wrapper for the compiled callable (the identity unless the graph's signature changed).
 Rewrite = Callable[[fx.GraphModule, list[Any]], tuple[list[Any], Callable[[Callable], Callable]]]
@@ -140,7 +138,7 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
 
         # ones_like/full_like stay whole through the trace: the step's backward seed is found as
         # one (compiled_step.find_seed); DecomposeForInductorPass decomposes them afterwards
-        table = {op: fn for op, fn in select_decomp_table().items() if op not in _SEED_OPS}
+        table = {op: fn for op, fn in select_decomp_table().items() if op not in roles.SEED_OPS}
         kwargs = {"decompositions": table, "partition_fn": cfx.partition_fn}
     kwargs["keep_inference_input_mutations"] = mutations_in_graph and backend_compiler != "eager"
 

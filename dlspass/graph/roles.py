@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from dlspass.errors import GraphContractError
@@ -42,6 +43,9 @@ INPUT = "input"
 # captured computation
 LOSS = "loss"
 SEED = "backward_seed"
+# the ops autograd seeds a backward with (``loss.backward()``: ``ones_like(loss)``; torch.export's
+# joint graph: ``full_like(loss, 1)``), by which the SEED node is found
+SEED_OPS = (torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default)
 GRAD = "grad"
 PARAM_UPDATE = "param_update"
 BUFFER_UPDATE = "buffer_update"
