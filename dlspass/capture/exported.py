@@ -262,12 +262,6 @@ def export_factory(spec: str) -> tuple[torch.export.ExportedProgram, dict[str, s
     return joint_with_ties(ep, source=spec)
 
 
-def joint_program(ep: torch.export.ExportedProgram, source: str) -> torch.export.ExportedProgram:
-    """``ep`` (a model returning a scalar loss) as a joint program with parameter gradients
-    (``joint_with_ties`` without the names of the merged parameters)."""
-    return joint_with_ties(ep, source)[0]
-
-
 def joint_with_ties(ep: torch.export.ExportedProgram, source: str
                     ) -> tuple[torch.export.ExportedProgram, dict[str, str]]:
     """``ep`` (a model returning a scalar loss) as a joint program with parameter gradients,

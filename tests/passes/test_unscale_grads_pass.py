@@ -109,12 +109,12 @@ class _ConvBNLinear(torch.nn.Module):
 
 
 def _exported_step(cfg: DLSConfig):
-    from dlspass.capture.exported import OptimizerSpec, joint_program, joint_to_step_graph
+    from dlspass.capture.exported import OptimizerSpec, joint_to_step_graph, joint_with_ties
 
     torch.manual_seed(0)
     model = _ConvBNLinear()
     batch = (torch.randn(4, 2, 4, 4), torch.randn(4, 2))
-    joint = joint_program(torch.export.export(model, batch), "conv_bn_linear")
+    joint = joint_with_ties(torch.export.export(model, batch), "conv_bn_linear")[0]
     gm, info = joint_to_step_graph(joint, OptimizerSpec(kind="sgd", lr=0.1), cfg, "conv_bn_linear")
     inputs = [*info.params.values(), *info.buffers.values(), *info.opt_state.values(),
               *info.scaler.values(), *info.hyper.values(), *batch]
