@@ -33,7 +33,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -271,13 +271,12 @@ def _train(steps: int, seed: int, out_dir: str | Path | None, quiet: bool,
                               "backend_compiler": backend_compiler}
     codes: dict[str, list[str]] = {}
     first_calls: dict[str, float] = {}
-    with _second_process(compare and backend_compiler == "inductor") as pool:
-        # Each inductor compile runs on one core; the unscaled step compiles in a second
-        # process while this one compiles the DLS step, so two cores take the time of one compile.
-        unscaled = None
-        if compare:
-            args = (steps, seed, True if pool is not None else quiet, backend_compiler)
-            unscaled = pool.submit(_unscaled, *args) if pool is not None else _unscaled(*args)
+    # Each inductor compile runs on one core; the unscaled step compiles in a second process
+    # while this one compiles the DLS step, so two cores take the time of one compile.
+    aside = compare and backend_compiler == "inductor"
+    with _second_process(aside) as run_aside:
+        if compare:  # its progress bar would garble this process's: quiet when aside
+            unscaled = run_aside(_unscaled, steps, seed, quiet or aside, backend_compiler)
             model, opt = _model_and_optimizer(seed)
             result["fp32"] = _run("fp32 (eager)", _step_fn(model, opt), None, frozenset(), model,
                                   steps, seed, quiet, backend_compiler)[0]
@@ -287,9 +286,8 @@ def _train(steps: int, seed: int, out_dir: str | Path | None, quiet: bool,
                            backend_compiler=backend_compiler)
         out, codes[_DLS], first_calls["dls"] = _run(_DLS, step, scaler, spikes, model, steps, seed,
                                                     quiet, backend_compiler)
-        if unscaled is not None:
-            r = unscaled.result() if pool is not None else unscaled
-            result["unscaled"], codes[_UNSCALED], first_calls["unscaled"] = r
+        if compare:
+            result["unscaled"], codes[_UNSCALED], first_calls["unscaled"] = unscaled()
     result.update(out)
     result["graph_breaks"] = sum(dynamo_utils.counters["graph_break"].values()) - breaks_before
     result["kernels"] = _kernels(codes) if backend_compiler == "inductor" else None
@@ -309,17 +307,22 @@ def _train(steps: int, seed: int, out_dir: str | Path | None, quiet: bool,
 
 
 @contextmanager
-def _second_process(wanted: bool):
-    """A one-worker process pool (spawned: a fork would copy this process's compile state),
-    or None."""
+def _second_process(wanted: bool) -> Iterator[Callable[..., Callable[[], Any]]]:
+    """``run_aside(fn, *args)``, which starts ``fn(*args)`` and returns a function that waits
+    for its result: in a one-worker process pool (spawned: a fork would copy this process's
+    compile state) when ``wanted``, else here and now."""
     if not wanted:
-        yield None
+        def run_here(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+            value = fn(*args)
+            return lambda: value
+
+        yield run_here
         return
     import concurrent.futures
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield pool
+        yield lambda fn, *args: pool.submit(fn, *args).result
 
 
 _UNSCALED = "float16, no scaling"
