@@ -236,12 +236,35 @@ def dls_tail(
         unscaled = unscale(grads, loss_scale)
     else:
         unscaled = [g.to(torch.float32) for g in grads]
-    if config.dynamic:
-        isfinite, norm = check_overflow(unscaled, config)
-    else:
-        isfinite = torch.ones((), dtype=torch.bool, device=loss_scale.device)
-        norm = global_norm(unscaled) if config.max_gradient_norm is not None else None
+    isfinite, norm = _tail_check(unscaled, loss_scale, config)
     return clip(unscaled, norm, config), isfinite, norm
+
+
+def dls_tail_(
+    grads: Sequence[Tensor], loss_scale: Tensor, config: DLSConfig
+) -> tuple[Tensor, Tensor | None]:
+    """`dls_tail` in place, for eager code: ``grads`` are unscaled and clipped where they are
+    (no gradient-sized temporaries); returns ``(isfinite, norm)``.
+
+    ``grads`` must be float32 tensors on ``loss_scale``'s device: then the values written are
+    bit for bit the ones `dls_tail` returns.
+    """
+    if config.enabled:
+        torch._foreach_mul_(grads, torch.reciprocal(loss_scale.to(torch.float32)))
+    isfinite, norm = _tail_check(grads, loss_scale, config)
+    if config.max_gradient_norm is not None or config.max_gradient_value is not None:
+        torch._foreach_copy_(grads, clip(grads, norm, config))
+    return isfinite, norm
+
+
+def _tail_check(unscaled: Sequence[Tensor], loss_scale: Tensor,
+                config: DLSConfig) -> tuple[Tensor, Tensor | None]:
+    """`dls_tail`'s ``(isfinite, norm)``: checked under dynamic scaling, always True otherwise."""
+    if config.dynamic:
+        return check_overflow(unscaled, config)
+    isfinite = torch.ones((), dtype=torch.bool, device=loss_scale.device)
+    norm = global_norm(unscaled) if config.max_gradient_norm is not None else None
+    return isfinite, norm
 
 
 def sum_squares(grads: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:
