@@ -53,7 +53,7 @@ def test_every_exception_dlspass_defines_is_in_exactly_one_family() -> None:
     classes = _defined_exceptions()
     # the walk reaches the modules that define them (not a vacuous pass)
     assert {"dlspass.config.ConfigError", "dlspass.passes.base.PassContractError",
-            "dlspass.graph.invariants.VerificationError", "dlspass.scaler.ScaleFloorError"} <= set(classes)
+            "dlspass.graph.invariants.VerificationError", "dlspass.scaler.errors.ScaleFloorError"} <= set(classes)
     roots = {DLSPassError, *FAMILIES}
     for name, cls in classes.items():
         if cls in roots:

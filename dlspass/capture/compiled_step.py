@@ -514,7 +514,7 @@ class CompiledStep:
         had = {k: opt.__dict__[k] for k in ("step", "zero_grad") if k in opt.__dict__}
         opt.step = self._ctx.step
         opt.zero_grad = self._ctx.zero_grad
-        track = self.config.dynamic and hasattr(self.scaler, "_after_compiled_step")
+        track = self.config.dynamic
         skipped = self.scaler.state.num_skipped_steps.clone() if track else None
         try:
             with torch._dynamo.config.patch(trace_autograd_ops=True,
@@ -524,7 +524,7 @@ class CompiledStep:
             # lr_scheduler.step() before optimizer.step()
             opt._opt_called = True  # type: ignore[attr-defined]
             if track:
-                self.scaler._after_compiled_step(skipped, opt)
+                self.scaler.record_compiled_step(skipped, opt)
             return out
         except torch._dynamo.exc.BackendCompilerFailed as e:
             # dynamo wraps whatever the AOT compiler raised; a dlspass error (CompileError,

@@ -9,6 +9,7 @@ the window, hide text, move the cursor). Everything quoted from an input goes th
 
 from __future__ import annotations
 
+import numbers
 import re
 
 # C0 controls, DEL and the C1 controls (0x9b is a one-byte CSI), and the Unicode bidi
@@ -40,8 +41,11 @@ def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
         return text + (f"... ({len(value):,} characters)" if len(value) > limit else "")
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
         return f"<int of {value.bit_length():,} bits>"  # repr would be slow or refused
-    if value is None or isinstance(value, (bool, int, float)):
-        text = repr(value)
+    if value is None or isinstance(value, numbers.Number):  # also numpy scalars, Fraction
+        try:
+            text = repr(value)
+        except ValueError:  # a Fraction past Python's digit limit for str()
+            return f"<{type(value).__name__} too long to print>"
         return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} digits)"
     size = f" of {len(value):,} items" if hasattr(value, "__len__") else ""
     return f"<{type(value).__name__}{size}>"
