@@ -1,4 +1,10 @@
-"""Crash-safe training checkpoints: model, optimizer, LR scheduler, DLS scaler, step and RNG.
+"""Scaler persistence on disk, in one place: whole-run checkpoints and DCP scaler folders.
+
+`save_checkpoint` / `load_checkpoint` keep a run's model, optimizer, LR scheduler, DLS scaler,
+step and RNG in one ``torch.save`` file. `save_scaler` / `load_scaler` keep the scaler state in a
+``torch.distributed.checkpoint`` (DCP) folder beside a sharded model (`dcp_state_dict` /
+`load_dcp_state_dict` for a DCP state dict of your own). What a scaler ``state_dict`` may hold is
+checked by ``dlspass.scaler.state_dict``, for both, before anything is restored.
 
 `save_checkpoint` writes atomically (``dlspass.files.atomic_write``): ``torch.save`` into a temporary
 file in the target's own directory, ``fsync``, then ``os.replace`` onto the final name and an
@@ -12,10 +18,14 @@ failure of other tools (docs/SEMANTICS.md §1.7). The scaler is stored under the
 ``grad_scaler`` as in Cerebras checkpoints; a checkpoint without it restarts DLS from the
 configuration (docs/SEMANTICS.md §1.7). The RNG states (torch CPU and Python's ``random``) are
 stored so that a resumed run draws the same numbers.
+
+DCP folders are read as untrusted by default (``dlspass.files.dcp_reader``); plain tensors in
+the DCP state dict are treated as replicated, so DCP writes one copy however many ranks save.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -29,6 +39,10 @@ from torch import nn
 from dlspass.errors import DLSInputError
 from dlspass.files.atomic_write import write_atomic
 from dlspass.files.bounded_text import excerpt
+from dlspass.files.dcp_reader import load_untrusted
+from dlspass.scale_policy import STATE_DTYPES, STATE_FIELDS
+from dlspass.scaler import GradScaler, ScalerStateError
+from dlspass.scaler.state_dict import checked_count, checked_scale, normalized_checkpoint
 
 FORMAT = "dlspass-checkpoint"
 VERSION = 1
@@ -197,7 +211,7 @@ def check_checkpoint(data: dict[str, Any], path: str | Path, *, model: nn.Module
     for key in ("optimizer", "scheduler", "grad_scaler", "rng"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise bad(key, f"expected a dict or None, got {type(data[key]).__name__}")
-    _check_scaler_state(data.get("grad_scaler"), bad)
+    _check_scaler_state(data.get("grad_scaler"), path)
     if restore_rng and data.get("rng"):
         _check_rng(data["rng"], bad)
     if model is not None:
@@ -224,39 +238,20 @@ def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
 
 
-def _scalar(v: Any) -> float | None:
-    """``v`` as a Python number when it is a real number or a one-element real tensor."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, (int, float)):
-        return float(v) if not isinstance(v, int) or abs(v) < 2**63 else None
-    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex() \
-            and v.dtype != torch.bool and type(v) is torch.Tensor:
-        return float(v.detach().reshape(()).to("cpu", torch.float64))
-    return None
-
-
-def _check_scaler_state(sd: Any, bad: Any) -> None:
-    """Scales finite, > 0 and representable in float32; counters integers >= 0."""
+def _check_scaler_state(sd: Any, path: str | Path) -> None:
+    """Scales finite, > 0 and representable in float32; counters integers >= 0: the checks
+    ``load_state_dict`` makes, here without a live scaler."""
     if not sd:
         return
-    flat = dict(sd.get("grad_scaler") if isinstance(sd.get("grad_scaler"), dict) else sd)
-    flat = {k[len("grad_scaler."):] if isinstance(k, str) and k.startswith("grad_scaler.") else k: v
-            for k, v in flat.items()}
-    from dlspass.scale_policy import STATE_FIELDS
-
-    for key in ("scale", "_growth_tracker", *STATE_FIELDS):  # torch.amp's keys, then dlspass's
-        if key not in flat:
-            continue
-        v = _scalar(flat[key])
-        if key in ("scale", "loss_scale", "non_clamped_scale"):
-            f32 = None if v is None else float(torch.tensor(v, dtype=torch.float32))
-            if f32 is None or not math.isfinite(f32) or not f32 > 0:
-                raise bad(f"grad_scaler.{key}", "expected a finite loss scale > 0 in float32, "
-                          f"got {excerpt(flat[key]) if v is None else repr(v)}")
-        elif v is None or not (v == int(v) if math.isfinite(v) else False) or v < 0 or v >= 2**63:
-            raise bad(f"grad_scaler.{key}", f"expected an integer counter >= 0, got "
-                      f"{excerpt(flat[key]) if v is None else repr(v)}")
+    _, flat = normalized_checkpoint(sd)
+    try:
+        for key in ("scale", "_growth_tracker", *STATE_FIELDS):  # torch.amp's keys, then dlspass's
+            if key in flat:
+                check = (checked_scale if key == "scale" or STATE_DTYPES.get(key) == torch.float32
+                         else checked_count)
+                check(f"grad_scaler.{key}", flat[key])
+    except ScalerStateError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def _check_rng(rng: dict[str, Any], bad: Any) -> None:
@@ -372,3 +367,70 @@ def latest_checkpoint(directory: str | Path, stem: str = "ckpt") -> Path | None:
             continue
         return p
     return None
+
+
+# ---- DCP scaler folders --------------------------------------------------------------------------
+DCP_KEY = "grad_scaler"
+
+
+def dcp_state_dict(scaler: GradScaler) -> dict[str, Any]:
+    """The scaler state as DCP wants it: ``{"grad_scaler": {field: 0-d tensor, ...}}``.
+
+    The configuration goes in as a JSON string (DCP stores non-tensor values as bytes); tensors
+    are plain (replicated), so DCP writes one copy however many ranks save.
+    """
+    # dlspass's own layout even for TorchGradScaler, whose state_dict() speaks torch's keys:
+    # it carries the format version and config, and TorchGradScaler loads it back.
+    sd = GradScaler.state_dict(scaler)
+    out: dict[str, Any] = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    out["format_version"] = sd["format_version"]
+    out["config_json"] = json.dumps(sd.get("config", {}), sort_keys=True)
+    return {DCP_KEY: out}
+
+
+def load_dcp_state_dict(scaler: GradScaler, state: dict[str, Any]) -> None:
+    """Load what `dcp_state_dict` produced (after ``dcp.load`` filled it in) into ``scaler``.
+
+    A missing entry, a value of the wrong type or a ``config_json`` that is not JSON raises
+    `CheckpointError` (an input error) before the scaler is touched.
+    """
+    entry = state.get(DCP_KEY) if isinstance(state, dict) else None
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"load_dcp_state_dict: no {DCP_KEY!r} entry in the state dict")
+    sd = dict(entry)
+    raw = sd.pop("config_json", None)
+    if raw is not None:
+        if not isinstance(raw, str):
+            raise CheckpointError(f"{DCP_KEY}.config_json: expected a JSON string, got {excerpt(raw)}")
+        try:
+            sd["config"] = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise CheckpointError(f"{DCP_KEY}.config_json is not valid JSON: {excerpt(raw)}") from None
+    scaler.load_state_dict(sd)
+
+
+def save_scaler(scaler: GradScaler, checkpoint_id: str, process_group: Any = None) -> None:
+    """Save the scaler state with ``torch.distributed.checkpoint`` (collective over the group)."""
+    import torch.distributed.checkpoint as dcp  # slow to import: only where DCP is used
+
+    dcp.save(dcp_state_dict(scaler), checkpoint_id=checkpoint_id, process_group=process_group)
+
+
+def load_scaler(scaler: GradScaler, checkpoint_id: str, process_group: Any = None, *,
+                trusted: bool = False) -> None:
+    """Restore the scaler state saved by `save_scaler` on every rank (collective).
+
+    By default the folder is read as untrusted (``dlspass.files.dcp_reader``): its ``.metadata`` may
+    name only DCP's own metadata classes, values load with ``weights_only=True`` and storage
+    entries must lie inside the folder, so a crafted folder raises an input error instead of
+    running code. ``trusted=True`` uses plain ``dcp.load`` (which unpickles ``.metadata`` and
+    non-tensor values): only for folders you wrote yourself, e.g. with a custom storage layout.
+    """
+    state = dcp_state_dict(scaler)
+    if trusted:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(state, checkpoint_id=checkpoint_id, process_group=process_group)
+    else:
+        load_untrusted(state, checkpoint_id, process_group)
+    load_dcp_state_dict(scaler, state)

@@ -33,14 +33,12 @@ DDP does), before DLS unscales them; `insert_flag_allreduce`
 overflow flag after the DLS passes. Averaged gradients are bit-identical on every rank and inf/NaN
 propagate through the sum, so the flag all-reduce is insurance (``agree_flag=False`` drops it).
 
-**Checkpoints**: `dcp_state_dict` / `load_dcp_state_dict` put the scaler state in a
-``torch.distributed.checkpoint`` state dict (plain tensors: DCP treats them as replicated and
-writes them once); `save_scaler` / `load_scaler` do the whole round trip.
+Scaler checkpoints, DCP folders included (`save_scaler` / `load_scaler`), are in
+``dlspass.checkpoint``.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -249,77 +247,3 @@ def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     # only call nodes have an OpOverload target (the others name attributes or methods)
     return [n for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
             and n.target.namespace == "_c10d_functional" and "wait" not in n.target.__name__]
-
-
-# ---- checkpoints ---------------------------------------------------------------------------------
-DCP_KEY = "grad_scaler"
-
-
-def dcp_state_dict(scaler: Any) -> dict[str, Any]:
-    """The scaler state as DCP wants it: ``{"grad_scaler": {field: 0-d tensor, ...}}``.
-
-    The configuration goes in as a JSON string (DCP stores non-tensor values as bytes); tensors
-    are plain (replicated), so DCP writes one copy however many ranks save.
-    """
-    from dlspass.scaler import GradScaler
-
-    # dlspass's own layout even for TorchGradScaler, whose state_dict() speaks torch's keys:
-    # it carries the format version and config, and TorchGradScaler loads it back.
-    sd = GradScaler.state_dict(scaler)
-    out: dict[str, Any] = {k: v for k, v in sd.items() if isinstance(v, Tensor)}
-    out["format_version"] = sd["format_version"]
-    out["config_json"] = json.dumps(sd.get("config", {}), sort_keys=True)
-    return {DCP_KEY: out}
-
-
-def load_dcp_state_dict(scaler: Any, state: dict[str, Any]) -> None:
-    """Load what `dcp_state_dict` produced (after ``dcp.load`` filled it in) into ``scaler``.
-
-    A missing entry, a value of the wrong type or a ``config_json`` that is not JSON raises
-    ``CheckpointError`` (an input error) before the scaler is touched.
-    """
-    from dlspass.checkpoint import CheckpointError
-    from dlspass.files.bounded_text import excerpt
-
-    entry = state.get(DCP_KEY) if isinstance(state, dict) else None
-    if not isinstance(entry, dict):
-        raise CheckpointError(f"load_dcp_state_dict: no {DCP_KEY!r} entry in the state dict")
-    sd = dict(entry)
-    raw = sd.pop("config_json", None)
-    if raw is not None:
-        if not isinstance(raw, str):
-            raise CheckpointError(f"{DCP_KEY}.config_json: expected a JSON string, got {excerpt(raw)}")
-        try:
-            sd["config"] = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise CheckpointError(f"{DCP_KEY}.config_json is not valid JSON: {excerpt(raw)}") from None
-    scaler.load_state_dict(sd)
-
-
-def save_scaler(scaler: Any, checkpoint_id: str, process_group: Any = None) -> None:
-    """Save the scaler state with ``torch.distributed.checkpoint`` (collective over the group)."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(dcp_state_dict(scaler), checkpoint_id=checkpoint_id, process_group=process_group)
-
-
-def load_scaler(scaler: Any, checkpoint_id: str, process_group: Any = None, *,
-                trusted: bool = False) -> None:
-    """Restore the scaler state saved by `save_scaler` on every rank (collective).
-
-    By default the folder is read as untrusted (``dlspass.files.dcp_reader``): its ``.metadata`` may
-    name only DCP's own metadata classes, values load with ``weights_only=True`` and storage
-    entries must lie inside the folder, so a crafted folder raises an input error instead of
-    running code. ``trusted=True`` uses plain ``dcp.load`` (which unpickles ``.metadata`` and
-    non-tensor values): only for folders you wrote yourself, e.g. with a custom storage layout.
-    """
-    state = dcp_state_dict(scaler)
-    if trusted:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.load(state, checkpoint_id=checkpoint_id, process_group=process_group)
-    else:
-        from dlspass.files.dcp_reader import load_untrusted
-
-        load_untrusted(state, checkpoint_id, process_group)
-    load_dcp_state_dict(scaler, state)

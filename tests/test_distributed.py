@@ -194,7 +194,7 @@ def _scenario_dcp(rank: int, world: int, ckpt: str, trained: dict) -> dict:
     """Save the trained scaler with DCP; restore it into fresh scalers on every rank."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from dlspass.distributed import load_scaler, save_scaler
+    from dlspass.checkpoint import load_scaler, save_scaler
     from dlspass.scaler import GradScaler
 
     scaler = trained["scaler"]
@@ -334,7 +334,7 @@ def test_dcp_round_trip_of_torch_grad_scaler(tmp_path) -> None:
     import warnings
 
     from dlspass import TorchGradScaler
-    from dlspass.distributed import load_scaler, save_scaler
+    from dlspass.checkpoint import load_scaler, save_scaler
 
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -24,9 +24,12 @@ from hostile_files import SENTINEL, Exec
 from dlspass.checkpoint import (
     CheckpointError,
     checkpoint_path,
+    dcp_state_dict,
     latest_checkpoint,
     load_checkpoint,
+    load_scaler,
     save_checkpoint,
+    save_scaler,
 )
 from dlspass.errors import DLSInputError
 from dlspass.scaler import GradScaler
@@ -177,8 +180,6 @@ def _dcp_save(state: dict, folder: Path) -> Path:
 
 
 def _scaler_folder(folder: Path) -> tuple[GradScaler, Path]:
-    from dlspass.distributed import save_scaler
-
     _, _, _, scaler = _run()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -187,8 +188,6 @@ def _scaler_folder(folder: Path) -> tuple[GradScaler, Path]:
 
 
 def _load(folder: Path, trusted: bool = False) -> GradScaler:
-    from dlspass.distributed import load_scaler
-
     fresh = GradScaler(init_scale=2.0**10, steps_per_increase=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -208,8 +207,6 @@ def _evil_metadata(tmp_path: Path) -> Path:
 
 
 def _evil_value(tmp_path: Path) -> Path:
-    from dlspass.distributed import dcp_state_dict
-
     _, _, _, scaler = _run()
     state = dcp_state_dict(scaler)
     state["grad_scaler"]["config_json"] = Exec()  # DCP stores non-tensors with torch.save
