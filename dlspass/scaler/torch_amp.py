@@ -1,10 +1,4 @@
-"""`TorchGradScaler`: torch.amp.GradScaler's contract, step for step, on dlspass's scaler state.
-
-torch's own unscale helper and update kernel run on this package's state, with a host read in
-``step`` as torch makes and torch's ``state_dict`` keys; docs/TORCH_AMP_DIFFERENCES.md lists
-where it differs from torch.amp. Checkpoints are checked completely before anything is
-restored (`ScalerStateError`), and scales float32 cannot hold are refused.
-"""
+"""`TorchGradScaler`: torch.amp.GradScaler's contract, step for step, on dlspass's scaler state."""
 
 from __future__ import annotations
 
