@@ -7,10 +7,12 @@ import json
 import onnx_ir as ir
 import torch
 
-from dlspass.capture.exported import META_FILE, InputError, quiet_torch
 from dlspass.config import DLSConfig
+from dlspass.errors import InputValueError
+from dlspass.files.file_meta import META_FILE
+from dlspass.files.quiet import quiet_torch
 from dlspass.graph import roles
-from dlspass.onnx.files import default_opset
+from dlspass.graph.onnx_opset import default_opset
 from dlspass.scale_policy import STATE_FIELDS, init_state
 
 TAIL_PREFIX = "dlspass_tail/"
@@ -56,7 +58,7 @@ class InsertDLSOnnxPass(ir.passes.InPlacePass):
        optimizer update when False) and ``dlspass_scaler_<field>.new``; their roles go to
        ``dlspass_roles`` and ``dlspass.json`` becomes ``kind: onnx_dls`` with the config.
 
-    Loss scaling off, no tagged seed input or no tagged gradient is an ``InputError``.
+    Loss scaling off, no tagged seed input or no tagged gradient is an ``InputValueError``.
     Precision lowering is ``LowerPrecisionOnnxPass``'s (run it first: the tail stays fp32).
     """
 
@@ -74,18 +76,18 @@ class InsertDLSOnnxPass(ir.passes.InPlacePass):
 
 
 def _seed_and_grads(model: ir.Model, config: DLSConfig, source: str) -> tuple[ir.Value, list[ir.Value]]:
-    """The tagged seed input and the tagged gradient outputs (``InputError`` when missing)."""
+    """The tagged seed input and the tagged gradient outputs (``InputValueError`` when missing)."""
     if not config.enabled:
-        raise InputError(f"{source}: loss scaling is off for this config; nothing to insert")
+        raise InputValueError(f"{source}: loss scaling is off for this config; nothing to insert")
     tagged = json.loads(model.metadata_props.get(roles.ONNX_ROLES_KEY, "{}"))
     seeds = [k for k, (r, _t) in tagged.items() if r == roles.SEED]
     inputs = {v.name: v for v in model.graph.inputs}
     if len(seeds) != 1 or seeds[0] not in inputs:
-        raise InputError(f"{source}: no backward-seed graph input (tag one as 'backward_seed' in "
-                         "metadata_props['dlspass_roles'], or export with `dlspass export -o x.onnx`)")
+        raise InputValueError(f"{source}: no backward-seed graph input (tag one as 'backward_seed' in "
+                              "metadata_props['dlspass_roles'], or export with `dlspass export -o x.onnx`)")
     grads = [v for v in model.graph.outputs if tagged.get(v.name, [None])[0] == roles.GRAD]
     if not grads:
-        raise InputError(f"{source}: no output is tagged as a gradient in metadata_props['dlspass_roles']")
+        raise InputValueError(f"{source}: no output is tagged as a gradient in metadata_props['dlspass_roles']")
     return inputs[seeds[0]], grads
 
 
@@ -94,8 +96,8 @@ def _export_tail(config: DLSConfig, grads: list[ir.Value], opset: int, source: s
     examples = []
     for g in grads:
         if g.dtype not in _TORCH_DTYPES:
-            raise InputError(f"{source}: gradient outputs must be floating point, got ONNX type "
-                             f"{int(g.dtype) if g.dtype is not None else 0}")
+            raise InputValueError(f"{source}: gradient outputs must be floating point, got ONNX type "
+                                  f"{int(g.dtype) if g.dtype is not None else 0}")
         dims = [d if isinstance(d, int) else 0 for d in (g.shape or ())]
         examples.append(torch.zeros(dims, dtype=_TORCH_DTYPES[g.dtype]))
     with quiet_torch():

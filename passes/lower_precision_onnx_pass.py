@@ -9,10 +9,11 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from dlspass.capture.exported import META_FILE, InputError, quiet_torch
-from dlspass.errors import GraphContractError
+from dlspass.errors import GraphContractError, InputValueError
+from dlspass.files.file_meta import META_FILE
+from dlspass.files.quiet import quiet_torch
 from dlspass.graph import roles
-from dlspass.onnx.files import default_opset
+from dlspass.graph.onnx_opset import default_opset
 
 LOWERED_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
 """ONNX ops whose float inputs and outputs are rounded to the 16-bit format (forward and
@@ -55,7 +56,7 @@ class LowerPrecisionOnnxPass(ir.passes.InPlacePass):
        values are tagged ``cast`` in the model's ``dlspass_roles`` and ``dlspass.json`` records
        ``precision`` and ``lower_precision`` in ``applied_passes``.
 
-    A model that already has dlspass casts, or an unknown ``fmt``, is an ``InputError``.
+    A model that already has dlspass casts, or an unknown ``fmt``, is an ``InputValueError``.
     """
 
     def __init__(self, fmt: str, source: str = "model") -> None:
@@ -64,13 +65,13 @@ class LowerPrecisionOnnxPass(ir.passes.InPlacePass):
         self.source = source
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        # checked here, not in requires(): the pass infrastructure would wrap the InputError
+        # checked here, not in requires(): the pass infrastructure would wrap the InputValueError
         if self.fmt not in _FORMATS:
-            raise InputError(f"{self.source}: cannot lower ONNX precision to {self.fmt!r} "
-                             "(expected float16, bfloat16 or cbfloat16)")
+            raise InputValueError(f"{self.source}: cannot lower ONNX precision to {self.fmt!r} "
+                                  "(expected float16, bfloat16 or cbfloat16)")
         graph = model.graph
         if any(n.metadata_props.get(CAST_ROLE_KEY) == roles.CAST for n in graph):
-            raise InputError(f"{self.source}: the ONNX model already has dlspass precision casts")
+            raise InputValueError(f"{self.source}: the ONNX model already has dlspass precision casts")
         targets = [n for n in graph if n.op_type in LOWERED_OPS and n.domain in ("", "ai.onnx")]
         rounder = _Rounder(graph, _RoundTemplate(self.fmt, default_opset(model), graph),
                            _float_test(model, targets))

@@ -14,7 +14,9 @@ import cli_factories as cf
 import pytest
 import torch
 
-from dlspass.capture.exported import OptimizerSpec, load_program, step_graph
+from dlspass.capture.joint_step import step_graph
+from dlspass.capture.optim import OptimizerSpec
+from dlspass.capture.pt2_io import load_program
 from dlspass.config import DLSConfig
 from dlspass.graph import roles
 
@@ -221,7 +223,7 @@ def test_a_model_without_tied_weights_records_none(tmp_path):
 
 def test_a_joint_without_the_record_gives_a_step_without_it(tmp_path):
     """A joint written before dlspass recorded ties: its step says nothing rather than "none"."""
-    from dlspass.capture.exported import save_program
+    from dlspass.capture.pt2_io import save_program
 
     ep, meta = load_program(cf.joint_file("mlp"))
     old = tmp_path / "old.pt2"

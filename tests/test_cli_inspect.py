@@ -13,7 +13,7 @@ import cli_factories as cf
 import jsonschema
 import pytest
 
-from dlspass.capture.exported import load_program, save_program
+from dlspass.capture.pt2_io import load_program, save_program
 from dlspass.debug.inspect_report import REPORT_SCHEMA
 from dlspass.graph import roles
 

@@ -15,7 +15,7 @@ import hf_factories as hf
 import pytest
 import torch
 
-from dlspass.capture.exported import OptimizerSpec
+from dlspass.capture.optim import OptimizerSpec
 from dlspass.config import DLSConfig
 
 pytest.importorskip("transformers")

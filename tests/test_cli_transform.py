@@ -9,7 +9,7 @@ import onnx
 import pytest
 import torch
 
-from dlspass.capture.exported import load_program
+from dlspass.capture.pt2_io import load_program
 from dlspass.onnx.files import load_onnx, onnx_meta
 
 FLAGS = {

@@ -185,11 +185,12 @@ def test_cli_internal_error_is_exit_3_with_a_traceback(capsys, tmp_path, monkeyp
 
 def test_cli_verification_failure_is_exit_1(capsys, monkeypatch, tmp_path) -> None:
     # a real broken step graph, handed to `dlspass verify` in place of a loaded file
-    import dlspass.capture.exported as exported
+    import dlspass.capture.joint_step as joint_step
+    import dlspass.capture.pt2_io as pt2_io
 
     gm = _unguarded_step()
-    monkeypatch.setattr(exported, "load_program", lambda path: (None, {"kind": "step"}))
-    monkeypatch.setattr(exported, "step_graph", lambda ep, meta: gm)
+    monkeypatch.setattr(pt2_io, "load_program", lambda path: (None, {"kind": "step"}))
+    monkeypatch.setattr(joint_step, "step_graph", lambda ep, meta: gm)
     rc, err = _cli(capsys, "verify", Path(tmp_path / "step.pt2"))
     assert rc == 1, err
     assert err.count("\n") == 1 and err.startswith("dlspass: verification failed:")

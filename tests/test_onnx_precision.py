@@ -257,9 +257,9 @@ def test_bfloat16_without_mixed_precision_is_refused(models, tmp_path, capsys):
 
 
 def test_lowering_twice_is_refused(models):
-    from dlspass.capture.exported import InputError
+    from dlspass.errors import InputValueError
 
-    with pytest.raises(InputError, match="already has dlspass precision casts"):
+    with pytest.raises(InputValueError, match="already has dlspass precision casts"):
         lower_precision_onnx(onnx.load(str(models["float16"])), "float16")
 
 

@@ -6,6 +6,8 @@ hyperparameters) and reproduces torch 2.13's single-tensor implementations op fo
 captured step matches ``optimizer.step()`` within float rounding. The user keeps the real
 optimizer: ``state_tensors``/``hyper_tensors`` read it before a step and ``write_back`` stores the
 new state in torch's own format, so ``optimizer.state_dict()`` stays right.
+``OptimizerSpec`` describes, by value, the optimizer a joint ``.pt2`` program is given
+(``dlspass.capture.joint_step.transform_program``, the CLI's ``transform --optimizer``).
 
 Numerics: hyperparameters are 0-d **float64** tensors. torch computes its scalar arithmetic
 (``1 - beta2 ** step``, ``lr / bias_correction1``, ``1 - lr * weight_decay``) in Python floats
@@ -29,17 +31,21 @@ compute some scalar products in float32), so results agree only to that dtype's 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from dlspass.errors import DLSInputError, InputKeyError, InputValueError
+from dlspass.files.bounded_text import excerpt
 
 # the torch.optim classes with a functional twin here: the one list capture_step, dlspass.compile
 # and the CLI (lower-cased) accept
 SUPPORTED_OPTIMIZERS = ("SGD", "Adam", "AdamW")
+OPTIMIZER_KINDS = tuple(name.lower() for name in SUPPORTED_OPTIMIZERS)
+"""``OptimizerSpec.kind``: the supported optimizers by lower-case name."""
 
 _HYPER_DTYPE = torch.float64
 
@@ -320,6 +326,66 @@ def functionalize(optimizer: torch.optim.Optimizer, param_names: dict[int, str])
     ``param_names``. ``foreach``/``fused`` are accepted: the functional form is the math.
     """
     return FunctionalOptimizer(optimizer, param_names)
+
+
+# ---- the optimizer a joint .pt2 program is given ------------------------------------------------
+
+def optimizer_value_problem(name: str, value: object) -> str | None:
+    """Why ``value`` cannot be ``OptimizerSpec``'s field ``name`` (``"expected ..., got ..."``),
+    or None when it can. The one statement of the rule: ``OptimizerSpec`` words a problem with
+    its field name, the CLI with its flag. torch.optim refuses negative values but accepts inf
+    and nan, and the first step would write them into every weight."""
+    if name == "kind":
+        return None if value in OPTIMIZER_KINDS else (
+            f"unknown optimizer {excerpt(value)}; choose one of {', '.join(OPTIMIZER_KINDS)}")
+    if name == "betas":
+        if isinstance(value, (tuple, list)) and len(value) == 2 and all(
+                _is_real(b) and 0 <= b < 1 for b in value):
+            return None
+        shown = f"({', '.join(map(excerpt, value))})" if isinstance(value, (tuple, list)) \
+            and len(value) <= 3 else excerpt(value)
+        return f"expected two numbers in [0, 1), got {shown}"
+    positive = name == "lr"
+    if _is_real(value) and math.isfinite(value) and (value > 0 if positive else value >= 0):
+        return None
+    return f"expected a finite number {'> 0' if positive else '>= 0'}, got {excerpt(value)}"
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer ``transform_program`` appends to a joint program (torch.optim semantics);
+    a value ``optimizer_value_problem`` refuses is an ``InputValueError`` naming the field."""
+
+    kind: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            problem = optimizer_value_problem(f.name, getattr(self, f.name))
+            if problem is not None:
+                raise InputValueError(f"{f.name}: {problem}")
+
+    def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        """The torch optimizer this spec describes, over ``params``."""
+        if self.kind == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
+                                   weight_decay=self.weight_decay)
+        cls = torch.optim.Adam if self.kind == "adam" else torch.optim.AdamW
+        return cls(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                   weight_decay=self.weight_decay)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
 
 
 # ---- per-parameter math, mirroring torch/optim/{sgd,adam}.py _single_tensor_* ------------------

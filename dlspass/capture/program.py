@@ -1,7 +1,7 @@
 """Assemble an ``ExportedProgram`` from a graph module and its signature: the one place dlspass
 builds ``ExportGraphSignature`` + ``ModuleCallSignature`` + ``ExportedProgram`` by hand.
 
-Used to package a rewritten step (``dlspass.capture.exported.package_step``) and to relabel a
+Used to package a rewritten step (``dlspass.capture.joint_step.package_step``) and to relabel a
 step or joint program for the ONNX exporter (``dlspass.onnx.convert``).
 """
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import typer
 
 from dlspass.config import FP16_TYPES, PRECISION_MODES
-from dlspass.errors import DLSInputError
+from dlspass.errors import DLSInputError, InputValueError
 from dlspass.files.bounded_text import excerpt, one_line
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
@@ -134,16 +134,24 @@ def _parse_betas(value: str) -> tuple[float, float]:
     except ValueError:
         raise typer.BadParameter(f"expected two numbers like 0.9,0.999, got {excerpt(value)}",
                                  param_hint="--betas") from None
-    for b in (b1, b2):
-        if not 0 <= b < 1:  # also refuses nan
-            raise typer.BadParameter(f"expected two numbers in [0, 1), got {excerpt(value)}",
-                                     param_hint="--betas")
     return b1, b2
 
 
+def _check_optimizer_flags(**values: object) -> None:
+    """``--optimizer``, ``--lr``, ... by the rule ``OptimizerSpec`` checks its fields with,
+    worded as the flag (``kind`` is ``--optimizer``)."""
+    from dlspass.capture.optim import optimizer_value_problem
+
+    for name, value in values.items():
+        problem = optimizer_value_problem(name, value)
+        if problem is not None:
+            flag = "--optimizer" if name == "kind" else "--" + name.replace("_", "-")
+            raise typer.BadParameter(problem, param_hint=flag)
+
+
 def _check_number(flag: str, value: float | None, *, positive: bool = False) -> None:
-    """A hyperparameter flag must be finite and >= 0 (> 0 with ``positive``), as torch.optim
-    requires; inf or nan would be accepted by torch and turn the first step's weights to NaN."""
+    """A DLS number flag (``--loss-scale``, ``--max-gradient-norm``) must be finite and >= 0
+    (> 0 with ``positive``): inf or nan would turn the first step's weights to NaN."""
     if value is None:
         return
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
@@ -159,7 +167,7 @@ def _quietly(fn: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if os.environ.get("DLSPASS_DEBUG"):
             return fn(*args, **kwargs)
-        from dlspass.capture.exported import quiet_torch
+        from dlspass.files.quiet import quiet_torch
 
         with quiet_torch():
             return fn(*args, **kwargs)
@@ -185,7 +193,9 @@ def export(
 
     Example: dlspass export tests.cli_factories:mlp -o mlp.pt2
     """
-    from dlspass.capture.exported import check_output_path, export_factory, save_program
+    from dlspass.capture.export import export_factory
+    from dlspass.capture.pt2_io import save_program
+    from dlspass.files.paths import check_output_path
 
     out = check_output_path(output, (".pt2", ".onnx"))
     ep, tied = export_factory(factory)
@@ -242,15 +252,11 @@ def transform(
     """
     import dataclasses
 
-    from dlspass.capture.exported import (
-        OptimizerSpec,
-        check_input_file,
-        check_output_path,
-        load_program,
-        save_program,
-        transform_program,
-    )
+    from dlspass.capture.joint_step import ROUNDINGS, transform_program
+    from dlspass.capture.optim import OptimizerSpec
+    from dlspass.capture.pt2_io import load_program, save_program
     from dlspass.config import DLSConfig
+    from dlspass.files.paths import check_input_file, check_output_path
 
     if fp16_type is not None and fp16_type not in FP16_TYPES:
         raise typer.BadParameter(f"expected one of {', '.join(FP16_TYPES)}, got {excerpt(fp16_type)}",
@@ -258,18 +264,18 @@ def transform(
     if precision_mode not in PRECISION_MODES:
         raise typer.BadParameter(f"expected {' or '.join(PRECISION_MODES)}, got {excerpt(precision_mode)}",
                                  param_hint="--precision-mode")
-    if rounding not in ("aten", "op"):
-        raise typer.BadParameter(f"expected aten or op, got {rounding!r}", param_hint="--rounding")
+    if rounding not in ROUNDINGS:
+        raise typer.BadParameter(f"expected {' or '.join(ROUNDINGS)}, got {excerpt(rounding)}",
+                                 param_hint="--rounding")
     fmt = to or ("onnx" if output.suffix == ".onnx" else "pt2")
     if fmt not in ("pt2", "onnx"):
         raise typer.BadParameter(f"expected pt2 or onnx, got {excerpt(to)}", param_hint="--to")
-    for flag, value, positive in (("--lr", lr, True), ("--momentum", momentum, False),
-                                  ("--weight-decay", weight_decay, False), ("--eps", eps, False),
-                                  ("--max-gradient-norm", max_gradient_norm, True)):
-        _check_number(flag, value, positive=positive)
+    opt_values = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
+                  "betas": _parse_betas(betas), "eps": eps}
+    _check_optimizer_flags(kind=optimizer, **opt_values)
+    _check_number("--max-gradient-norm", max_gradient_norm, positive=True)
     scale = _parse_loss_scale(loss_scale)
-    opt = OptimizerSpec(kind=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                        betas=_parse_betas(betas), eps=eps)
+    opt = OptimizerSpec(kind=optimizer, **opt_values)
     src = check_input_file(input)
     out = check_output_path(output, (f".{fmt}",))
     if config is not None:
@@ -298,7 +304,7 @@ def transform(
         print(f"wrote {out}", file=sys.stderr)
         return
     ep, meta = load_program(src)
-    # ONNX output keeps the op here: onnx_io writes it in its float-arithmetic form
+    # ONNX output keeps the op here: save_step_onnx writes it in its float-arithmetic form
     step, step_meta = transform_program(ep, meta, cfg, opt, precision_mode=precision_mode,
                                         source=str(src), rounding="op" if fmt == "onnx" else rounding)
     if fmt == "onnx":
@@ -322,8 +328,9 @@ def inspect(
 
     Example: dlspass inspect step.pt2 --diff joint.pt2 --format html -o report.html
     """
-    from dlspass.capture.exported import check_output_path, write_atomic
     from dlspass.debug.inspect_report import FORMATS, render, summarize_file
+    from dlspass.files.atomic_write import write_atomic
+    from dlspass.files.paths import check_output_path
 
     if fmt not in FORMATS:
         raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}, got {excerpt(fmt)}",
@@ -348,12 +355,13 @@ def verify(
 
     Example: dlspass verify step.pt2
     """
-    from dlspass.capture.exported import InputError, load_program, step_graph
+    from dlspass.capture.joint_step import step_graph
+    from dlspass.capture.pt2_io import load_program
     from dlspass.graph.invariants import verify as run_verify
 
     ep, meta = load_program(file)
     if meta is None or meta.get("kind") != "step":
-        raise InputError(f"{file}: not a dlspass training step (run `dlspass transform` first)")
+        raise InputValueError(f"{file}: not a dlspass training step (run `dlspass transform` first)")
     run_verify(step_graph(ep, meta))
     n = sum(1 for node in ep.graph.nodes if node.op == "call_function")
     print(f"OK {file}: DLS invariants hold ({n} ops, config {json.dumps(meta['config'], sort_keys=True)})")

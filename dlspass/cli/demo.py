@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from dlspass.capture.exported import InputError
+from dlspass.errors import InputValueError
 from dlspass.models import TinyGPT, copy_task_batch, gpt_loss
 
 if TYPE_CHECKING:
@@ -156,19 +156,19 @@ def run_demo(steps: int = 100, seed: int = 0, out_dir: str | Path | None = None,
         0
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise InputError(f"steps: expected a positive integer, got {steps!r}")
+        raise InputValueError(f"steps: expected a positive integer, got {steps!r}")
     bad = [s for s in spikes if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= steps]
     if bad:
-        raise InputError(f"spikes: expected steps between 1 and {steps}, got {bad[0]!r}")
+        raise InputValueError(f"spikes: expected steps between 1 and {steps}, got {bad[0]!r}")
     if backend_compiler not in ("eager", "inductor"):
-        raise InputError(f"backend_compiler: expected 'eager' or 'inductor', got {backend_compiler!r}")
+        raise InputValueError(f"backend_compiler: expected 'eager' or 'inductor', got {backend_compiler!r}")
     if out_dir is not None:
         # Fail on an unusable output folder before training, not after it.
         try:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise InputError(f"out_dir: cannot create {str(out_dir)!r}: {exc.strerror} "
-                             f"({exc.filename})") from None
+            raise InputValueError(f"out_dir: cannot create {str(out_dir)!r}: {exc.strerror} "
+                                  f"({exc.filename})") from None
 
     threads = torch.get_num_threads()
     # Tensors this small run fastest on one thread; extra intra-op threads only contend.

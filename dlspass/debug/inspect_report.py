@@ -19,6 +19,7 @@ from typing import Any
 
 import networkx as nx
 
+from dlspass.errors import InputValueError
 from dlspass.files.bounded_text import one_line, printable
 from dlspass.graph import roles
 
@@ -52,7 +53,7 @@ REPORT_SCHEMA: dict[str, Any] = {
         "optimizer": {"type": ["object", "null"]},
         "precision_mode": {"type": ["string", "null"]},
         # {dropped_name: kept_name} of tied parameters merged at export; null: not recorded
-        # (a foreign file or one written before dlspass kept it). Optional: /1 reports lack it.
+        # (a foreign file, or dlspass metadata without a "tied" key). Optional in a report.
         "tied": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
         "node_count": {"type": "integer", "minimum": 0},
         "op_histogram": _COUNTS,
@@ -193,7 +194,8 @@ def _reach(starts: list[str], nxt: dict[str, list[str]]) -> set[str]:
 
 
 def _summarize_pt2(path: Path) -> dict[str, Any]:
-    from dlspass.capture.exported import load_program, step_graph
+    from dlspass.capture.joint_step import step_graph
+    from dlspass.capture.pt2_io import load_program
 
     ep, meta = load_program(path)
     kind = (meta or {}).get("kind") or ("joint" if getattr(ep.graph_signature, "backward_signature", None)
@@ -241,7 +243,7 @@ def _summarize_onnx(path: Path) -> dict[str, Any]:
 
 def summarize_file(path: str | Path) -> dict[str, Any]:
     """The inspect report of a ``.pt2`` or ``.onnx`` file (see ``REPORT_SCHEMA``)."""
-    from dlspass.capture.exported import check_input_file
+    from dlspass.files.paths import check_input_file
 
     p = check_input_file(path)
     return _report(_summarize_pt2(p) if p.suffix == ".pt2" else _summarize_onnx(p), str(p))
@@ -295,9 +297,7 @@ def render(report: dict[str, Any], fmt: str, other: dict[str, Any] | None = None
         return render_html(report)
     if fmt == "text":
         return render_text(report)
-    from dlspass.capture.exported import InputError
-
-    raise InputError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    raise InputValueError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
 def render_text(r: dict[str, Any]) -> str:

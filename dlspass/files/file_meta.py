@@ -17,6 +17,11 @@ from typing import Any
 from dlspass.errors import DLSInputError
 from dlspass.files.bounded_text import excerpt
 
+META_FILE = "dlspass.json"
+"""The name of dlspass's metadata: an extra file in a ``.pt2``, a ``metadata_props`` key in ONNX."""
+FORMAT_VERSION = 1
+"""The ``"version"`` of the ``dlspass.json`` that dlspass writes."""
+
 
 class MetadataError(DLSInputError, ValueError):
     """A file's dlspass metadata does not have the shape dlspass writes."""
@@ -122,7 +127,7 @@ def check_pt2_meta(meta: Any, where: str, n_outputs: int | None = None) -> None:
     has the shape dlspass writes; a step's ``output_roles`` must cover ``n_outputs`` outputs."""
     if meta is None:
         return
-    where = f"{where}: dlspass.json"
+    where = f"{where}: {META_FILE}"
     _check_keys(meta, _PT2_KEYS, where)
     if not str(meta.get("format", "")).startswith("dlspass-"):
         raise MetadataError(f"{where}: no 'format' of a dlspass file (dlspass-joint or dlspass-step)")
@@ -138,7 +143,7 @@ def check_pt2_meta(meta: Any, where: str, n_outputs: int | None = None) -> None:
 def check_onnx_meta(props: Mapping[str, str], where: str) -> None:
     """Raise ``MetadataError`` unless the ``dlspass.json`` and ``dlspass_roles`` entries of an
     ONNX model's ``metadata_props`` (when present) are JSON of the shape dlspass writes."""
-    for key, check in (("dlspass.json", lambda v: _check_keys(v, _ONNX_KEYS, f"{where}: dlspass.json")),
+    for key, check in ((META_FILE, lambda v: _check_keys(v, _ONNX_KEYS, f"{where}: {META_FILE}")),
                        ("dlspass_roles", lambda v: _check_roles(v, f"{where}: dlspass_roles"))):
         raw = props.get(key)
         if not raw:

@@ -110,7 +110,7 @@ def graft(
 
     ``sub``'s placeholders become ``args`` (in order). Its ``get_attr`` constants move onto the
     module owning ``graph`` as non-persistent buffers (``const_prefix`` + a fresh index), read
-    at the top of the graph, so they follow the module across devices; `dlspass.capture.exported`
+    at the top of the graph, so they follow the module across devices; `dlspass.capture.joint_step`
     lifts them back into inputs when it packages a step. The copies keep ``sub``'s node meta
     (fake values included) and, where they have none, get ``source``'s provenance. Outputs of
     ``sub`` that are one of its inputs come back as the matching node of ``args``; ``inserted``

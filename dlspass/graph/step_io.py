@@ -1,6 +1,6 @@
 """The step graph's input and output layout, and the one function that tags a traced step with it.
 
-Every front end (``dlspass.capture.functional.trace_step``, ``dlspass.capture.exported``'s
+Every front end (``dlspass.capture.functional.trace_step``, ``dlspass.capture.joint_step``'s
 joint-program step, the pass tests) traces a flat function of
 
     (params, buffers, optimizer_state, scaler_state, hyperparameters, batch)

@@ -42,10 +42,13 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from dlspass.capture.exported import META_FILE, InputError, quiet_torch, write_atomic
+from dlspass.capture.joint_step import joint_graph
 from dlspass.capture.program import flat_tuple_spec, make_program, user_outputs
 from dlspass.config import DLSConfig
-from dlspass.errors import GraphContractError
+from dlspass.errors import GraphContractError, InputValueError
+from dlspass.files.atomic_write import write_atomic
+from dlspass.files.file_meta import META_FILE
+from dlspass.files.quiet import quiet_torch
 from dlspass.graph import roles
 from dlspass.onnx.files import (
     check_onnx,
@@ -149,14 +152,12 @@ def joint_to_onnx(joint: torch.export.ExportedProgram, *, tied: dict[str, str] |
     the scalar input ``loss_seed`` (feed 1.0), parameters as overridable inputs.
 
     ``tied`` (``{dropped_name: kept_name}`` from ``merge_tied_parameters``) goes to the metadata
-    as ``"tied"``; None leaves the key out (not known, as in a file written before it was kept).
+    as ``"tied"``; None (not known: the joint's metadata does not say) leaves the key out.
     """
     from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
     from torch.utils._pytree import tree_flatten
 
-    from dlspass.capture.exported import _joint
-
-    j = _joint(joint, "joint program")
+    j = joint_graph(joint, "joint program")
     gm = j.gm
     ExposeSeedPass(SEED_INPUT)(gm)
     in_specs = [*joint.graph_signature.input_specs,
@@ -209,19 +210,19 @@ def transform_onnx(src: Path, out: Path, config: DLSConfig) -> None:
     model = load_onnx(src)
     meta = onnx_meta(model)
     if meta is not None and meta.get("kind") == "step":
-        raise InputError(f"{src}: already a dlspass training step; transform the original .pt2 instead")
+        raise InputValueError(f"{src}: already a dlspass training step; transform the original .pt2 instead")
     if not gradient_outputs(model):
-        raise InputError(f"{src}: the ONNX model has no gradient outputs (not a training graph)")
+        raise InputValueError(f"{src}: the ONNX model has no gradient outputs (not a training graph)")
     if not config.mixed_precision and not config.enabled:
-        raise InputError(f"{src}: mixed precision and loss scaling are both off for this config; "
-                         "nothing to insert")
+        raise InputValueError(f"{src}: mixed precision and loss scaling are both off for this config; "
+                              "nothing to insert")
     passes: list[ir.passes.PassBase] = []
     if config.mixed_precision:
         # before the DLS tail is grafted: the tail's math stays fp32, like the FX pipeline's
         passes.append(LowerPrecisionOnnxPass(config.fp16_type, str(src)))
     if config.enabled:
         passes.append(InsertDLSOnnxPass(config, str(src)))
-    for p in passes:  # not ir.passes.Sequential: it would wrap our InputErrors in a PassError
+    for p in passes:  # not ir.passes.Sequential: it would wrap our InputValueErrors in a PassError
         p(model)
     # the output is one self-contained file: external tensors (checked by load_onnx) move in
     inline_external_data(model)

@@ -14,16 +14,18 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto
 
-from dlspass.capture.exported import META_FILE, InputError, check_input_file, quiet_torch
+from dlspass.errors import InputValueError
 from dlspass.files.bounded_text import excerpt
-from dlspass.files.file_meta import check_onnx_meta
+from dlspass.files.file_meta import META_FILE, check_onnx_meta
+from dlspass.files.paths import check_input_file
+from dlspass.files.quiet import quiet_torch
 from dlspass.graph import roles
 
 MAX_LOCATION_CHARS = 1024
 
 
 def load_onnx(path: str | Path) -> ir.Model:
-    """An ``onnx_ir.Model`` from ``path``; ``InputError`` when it is not a readable ONNX model.
+    """An ``onnx_ir.Model`` from ``path``; ``InputValueError`` when it is not a readable ONNX model.
 
     External data stays on disk (read when the model is saved), and every reference to it has
     been checked to stay inside the model's folder."""
@@ -33,9 +35,9 @@ def load_onnx(path: str | Path) -> ir.Model:
             model = ir.load(str(p))
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise InputError(f"{p}: cannot read the ONNX model ({type(e).__name__}: {first[:200]})") from None
+        raise InputValueError(f"{p}: cannot read the ONNX model ({type(e).__name__}: {first[:200]})") from None
     if not model.graph.outputs:
-        raise InputError(f"{p}: the ONNX model has no outputs")
+        raise InputValueError(f"{p}: the ONNX model has no outputs")
     _check_wellformed(model, p)
     check_onnx_meta(model.metadata_props, str(p))
     _check_external_data(p)
@@ -49,8 +51,8 @@ def _check_external_data(p: Path) -> None:
     try:
         proto = onnx.load(str(p), load_external_data=False)
     except Exception as e:
-        raise InputError(f"{p}: cannot read the ONNX model ({type(e).__name__}: "
-                         f"{excerpt(str(e), 120)})") from None
+        raise InputValueError(f"{p}: cannot read the ONNX model ({type(e).__name__}: "
+                              f"{excerpt(str(e), 120)})") from None
     base = os.path.realpath(p.parent)
     for t in _all_tensors(proto):
         if t.data_location != TensorProto.EXTERNAL:
@@ -61,24 +63,24 @@ def _check_external_data(p: Path) -> None:
         parts = loc.replace("\\", "/").split("/")
         if not loc or len(loc) > MAX_LOCATION_CHARS or "\0" in loc or os.path.isabs(loc) \
                 or ".." in parts or any(len(c) > 255 for c in parts):
-            raise InputError(f"{where}, which is not a short relative path inside the model's folder")
+            raise InputValueError(f"{where}, which is not a short relative path inside the model's folder")
         target = os.path.realpath(os.path.join(base, loc))
         if os.path.commonpath([base, target]) != base:
-            raise InputError(f"{where}, which leads outside the model's folder")
+            raise InputValueError(f"{where}, which leads outside the model's folder")
         try:
             st = os.stat(target)
         except OSError as e:
-            raise InputError(f"{where}, which cannot be read ({e.strerror})") from None
+            raise InputValueError(f"{where}, which cannot be read ({e.strerror})") from None
         if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"{where}, which is not a regular file")
+            raise InputValueError(f"{where}, which is not a regular file")
         try:
             offset = int(info.get("offset", "0"))
             length = int(info.get("length", str(st.st_size - offset)))
         except ValueError:
-            raise InputError(f"{where} at an offset or length that is not a number") from None
+            raise InputValueError(f"{where} at an offset or length that is not a number") from None
         if offset < 0 or length < 0 or offset + length > st.st_size:
-            raise InputError(f"{where} at bytes {offset}..{offset + length}, outside the "
-                             f"{st.st_size:,}-byte file")
+            raise InputValueError(f"{where} at bytes {offset}..{offset + length}, outside the "
+                                  f"{st.st_size:,}-byte file")
 
 
 def _all_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
@@ -109,15 +111,15 @@ def _check_wellformed(model: ir.Model, p: Path) -> None:
     for node in model.graph:
         for field in (node.name, node.op_type, node.domain):
             if field is not None and not isinstance(field, str):
-                raise InputError(f"{p}: invalid ONNX model (a node name or op type is not UTF-8 text)")
+                raise InputValueError(f"{p}: invalid ONNX model (a node name or op type is not UTF-8 text)")
         for v in node.inputs:
             if v is None:
                 continue
             if not isinstance(v.name, str):
-                raise InputError(f"{p}: invalid ONNX model (a value name is not UTF-8 text)")
+                raise InputValueError(f"{p}: invalid ONNX model (a value name is not UTF-8 text)")
             if v.producer() is None and v.name not in defined and not v.is_initializer():
-                raise InputError(f"{p}: invalid ONNX model (node {node.name!r} reads {v.name!r}, "
-                                 "which nothing defines)")
+                raise InputValueError(f"{p}: invalid ONNX model (node {node.name!r} reads {v.name!r}, "
+                                      "which nothing defines)")
         defined.update(o.name for o in node.outputs)
 
 
@@ -137,17 +139,12 @@ def gradient_outputs(model: ir.Model) -> list[str]:
 
 
 def check_onnx(proto: onnx.ModelProto, source: str) -> None:
-    """``InputError`` unless ``onnx.checker`` accepts the model we made from ``source``."""
+    """``InputValueError`` unless ``onnx.checker`` accepts the model we made from ``source``."""
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as e:
-        raise InputError(f"{source}: the transformed ONNX model does not validate "
-                         f"({str(e).splitlines()[0]})") from None
-
-
-def default_opset(model: ir.Model) -> int:
-    """The model's version of the default ONNX domain (18 when it imports none)."""
-    return next((v for d, v in model.opset_imports.items() if d in ("", "ai.onnx")), 18)
+        raise InputValueError(f"{source}: the transformed ONNX model does not validate "
+                              f"({str(e).splitlines()[0]})") from None
 
 
 def inline_external_data(model: ir.Model) -> None:

@@ -97,7 +97,7 @@ def test_signal_during_a_write_leaves_no_temporary_file(tmp_path, sig):
 def test_pt2_records_a_stable_root_folder(tmp_path):
     import torch
 
-    from dlspass.capture.exported import load_program, save_program
+    from dlspass.capture.pt2_io import load_program, save_program
 
     ep = torch.export.load(str(save_tiny(tmp_path / "tiny.pt2")))
     out = tmp_path / "joint.pt2"

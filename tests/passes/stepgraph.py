@@ -209,7 +209,7 @@ class _LinearMSE(nn.Module):
 def linear_joint() -> tuple[nn.Module, tuple[Tensor, Tensor], torch.export.ExportedProgram]:
     """A Linear + MSE model, its batch and its joint forward-backward program (torch.export):
     placeholders ``fc.weight``, ``fc.bias``, ``x``, ``y``; outputs loss and the two gradients."""
-    from dlspass.capture.exported import joint_with_ties
+    from dlspass.capture.export import joint_with_ties
 
     torch.manual_seed(0)
     model, batch = _LinearMSE(), (torch.randn(4, 3), torch.randn(4, 2))

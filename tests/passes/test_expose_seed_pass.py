@@ -7,7 +7,8 @@ import cli_factories as cf
 import pytest
 import torch
 
-from dlspass.capture.exported import _joint, load_program
+from dlspass.capture.joint_step import joint_graph
+from dlspass.capture.pt2_io import load_program
 from dlspass.graph.marks import MARK_OP
 from dlspass.passes import PassContractError
 from dlspass.passes.expose_seed_pass import ExposeSeedPass
@@ -15,7 +16,7 @@ from dlspass.passes.expose_seed_pass import ExposeSeedPass
 
 def _joint_and_args():
     ep, _ = load_program(cf.joint_file("mlp"))
-    j = _joint(ep, "joint")
+    j = joint_graph(ep, "joint")
     state = {**ep.state_dict, **ep.constants}
     _model, batch = cf.mlp()
     user = dict(zip(j.inputs, batch, strict=True))

@@ -109,7 +109,9 @@ class _ConvBNLinear(torch.nn.Module):
 
 
 def _exported_step(cfg: DLSConfig):
-    from dlspass.capture.exported import OptimizerSpec, joint_to_step_graph, joint_with_ties
+    from dlspass.capture.export import joint_with_ties
+    from dlspass.capture.joint_step import joint_to_step_graph
+    from dlspass.capture.optim import OptimizerSpec
 
     torch.manual_seed(0)
     model = _ConvBNLinear()

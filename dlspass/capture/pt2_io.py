@@ -1,0 +1,58 @@
+"""Reading and writing dlspass ``.pt2`` programs: ``load_program`` and ``save_program``.
+
+``load_program`` checks an untrusted archive before torch reads it (``dlspass.files``:
+the path, the archive's members and the shape of its ``dlspass.json``) and registers
+dlspass's custom op, which a step written with ``rounding="op"`` calls; that registration
+(``dlspass.formats``) is why this reader lives above the numerics and not in ``dlspass.files``.
+``save_program`` writes atomically, with the metadata as the archive's ``dlspass.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlspass.errors import InputValueError
+from dlspass.files.atomic_write import write_atomic
+from dlspass.files.file_meta import META_FILE, check_pt2_meta
+from dlspass.files.paths import check_input_file
+from dlspass.files.pt2_archive import check_pt2_archive, save_pt2
+from dlspass.files.quiet import quiet_torch
+
+
+def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[str, Any] | None]:
+    """Load a ``.pt2``; returns the program and its ``dlspass.json`` (None when absent)."""
+    p = check_input_file(path, (".pt2",))
+    if not zipfile.is_zipfile(p):
+        raise InputValueError(f"{p}: not a .pt2 archive (not a zip file; truncated or corrupt?)")
+    check_pt2_archive(p)  # refuses what torch would unpickle, evaluate or inflate without bound
+    import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format for deserialisation
+
+    extra = {META_FILE: ""}
+    try:
+        with quiet_torch():
+            ep = torch.export.load(str(p), extra_files=extra)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if "warnings above" in first:  # torch's pointer to the log lines silenced here
+            first = "torch could not deserialize the program (not a torch.export archive?)"
+        raise InputValueError(f"{p}: cannot load the .pt2 archive ({first[:200]})") from None
+    raw = extra.get(META_FILE) or ""
+    meta = None
+    if raw:
+        try:
+            meta = json.loads(raw)
+        except json.JSONDecodeError:
+            raise InputValueError(f"{p}: its {META_FILE} is not valid JSON") from None
+    check_pt2_meta(meta, str(p), len(ep.graph_signature.output_specs))  # shape of dlspass.json
+    return ep, meta
+
+
+def save_program(ep: torch.export.ExportedProgram, path: Path, meta: dict[str, Any] | None) -> None:
+    """Save ``ep`` (and ``meta`` as ``dlspass.json``) atomically to ``path``."""
+    extra = {META_FILE: json.dumps(meta, sort_keys=True)} if meta is not None else None
+    write_atomic(path, lambda tmp: save_pt2(ep, tmp, extra))  # stable inner folder name

@@ -1,0 +1,44 @@
+"""The checks on a path the user names: a file to read, and a path to write.
+
+Both refuse with one line naming the path (``InputValueError``, CLI exit 2) before any reader or
+writer touches it: a missing or empty input, a wrong suffix, an output folder that does not exist
+or cannot be written.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dlspass.errors import InputValueError
+
+
+def check_input_file(path: str | Path, suffixes: tuple[str, ...] = (".pt2", ".onnx")) -> Path:
+    """``path`` as a Path, or ``InputValueError`` when it is missing, empty or has another suffix."""
+    p = Path(path)
+    if p.suffix not in suffixes:
+        raise InputValueError(f"{p}: unsupported file type {p.suffix or '(none)'!r}; "
+                              f"expected {' or '.join(suffixes)}")
+    if not p.exists():
+        raise InputValueError(f"{p}: no such file")
+    if not p.is_file():
+        raise InputValueError(f"{p}: not a regular file")
+    if p.stat().st_size == 0:
+        raise InputValueError(f"{p}: the file is empty")
+    return p
+
+
+def check_output_path(path: str | Path, suffixes: tuple[str, ...]) -> Path:
+    """``path`` as a Path, or ``InputValueError`` when its suffix is wrong or its folder unwritable."""
+    p = Path(path)
+    if p.suffix not in suffixes:
+        raise InputValueError(f"{p}: output must end in {' or '.join(suffixes)}, "
+                              f"not {p.suffix or '(none)'!r}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputValueError(f"{p}: output folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise InputValueError(f"{p}: output path is not writable")
+    if p.is_dir():
+        raise InputValueError(f"{p}: output path is a folder")
+    return p
