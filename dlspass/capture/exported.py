@@ -195,7 +195,8 @@ def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[s
             meta = json.loads(raw)
         except json.JSONDecodeError:
             raise InputError(f"{p}: its {META_FILE} is not valid JSON") from None
-    check_pt2_meta(meta, str(p), len(ep.graph_signature.output_specs))  # shape of dlspass.json
+    check_pt2_meta(meta, str(p), len(ep.graph_signature.output_specs),  # shape of dlspass.json
+                   check_config=roles.config_from_record)
     return ep, meta
 
 
