@@ -26,8 +26,9 @@ does), unless the file uses keys only older releases read (``use_bfloat16``,
 Model Zoo configs are full of unrelated keys (learning rates, model sizes, data paths): those are
 ignored. Inside the precision settings every key must be known and well typed; mistakes are a
 one-line error (a ``ConfigError`` from `DLSConfig.from_yaml`) that names the file and the key
-path and shows a bounded excerpt of the value. In the legacy sections, which mix precision keys with everything else, a near miss of a
-precision key (``loss_scaling_factr``) is an error too, so that a typo cannot turn DLS off.
+path and shows a bounded excerpt of the value. In the legacy sections, which mix precision keys
+with everything else, a near miss of a precision key (``loss_scaling_factr``) is an error too,
+so that a typo cannot turn DLS off.
 
 Files are read defensively: regular files only, at most `MAX_YAML_BYTES`, no duplicate keys
 (Model Zoo's loader rejects them since 2.5), a bound on nesting depth and on the size of the
@@ -49,8 +50,8 @@ from typing import Any
 from dlspass.errors import InputValueError
 from dlspass.presets import FLOAT32_MAX, FP16_TYPES, excerpt, preset_defaults
 
-__all__ = ["ModelZooRules", "ModelZooSettings", "load_yaml", "modelzoo_rules", "settings_from_params",
-           "settings_from_yaml"]
+__all__ = ["ModelZooRules", "ModelZooSettings", "load_yaml", "modelzoo_rules",
+           "settings_from_params", "settings_from_yaml"]
 
 _MISSING = object()
 
@@ -171,13 +172,13 @@ def modelzoo_rules(release: str | tuple[int, int] | None = None, model: str | No
         m = re.fullmatch(r"(?:R_|Release_|rel-|v)?(\d{1,2})\.(\d{1,2})(?:\.\d{1,3})?", str(release).strip())
         if m is None:
             raise InputValueError(f"modelzoo_release: expected a release such as '2.4' or "
-                              f"'Release_2.4.0', got {excerpt(release)}")
+                                  f"'Release_2.4.0', got {excerpt(release)}")
         parsed = (int(m.group(1)), int(m.group(2)))
     if not (isinstance(parsed, tuple) and len(parsed) == 2 and all(type(x) is int for x in parsed)):
         raise InputValueError(f"modelzoo_release: expected (major, minor), got {excerpt(release)}")
     if parsed < _FIRST_RELEASE:
         raise InputValueError(f"modelzoo_release: {parsed[0]}.{parsed[1]} predates R_1.6.0, the first "
-                          "release dlspass reads")
+                              "release dlspass reads")
     if model is not None and not isinstance(model, str):
         raise InputValueError(f"modelzoo_model: expected a model directory name, got {excerpt(model)}")
     return ModelZooRules(parsed, model)
@@ -346,7 +347,7 @@ def _legacy_to_current(values: dict[str, Any], src: str, rules: ModelZooRules) -
     use_bf16 = values.get("model.use_bfloat16")
     if use_bf16 is not None and not rules.reads_use_bfloat16:
         raise InputValueError(f"{src}model.use_bfloat16: Model Zoo {_name(rules)} rejects this key "
-                          "(deprecated in 2.1; use model.fp16_type)")
+                              "(deprecated in 2.1; use model.fp16_type)")
     if use_bf16:
         if out.get("fp16_type", "bfloat16") != "bfloat16":
             raise InputValueError(f"{src}model.use_bfloat16: true contradicts model.fp16_type: {out['fp16_type']}")
@@ -356,7 +357,7 @@ def _legacy_to_current(values: dict[str, Any], src: str, rules: ModelZooRules) -
     use_cb16 = values.get("csconfig.use_cbfloat16")
     if use_cb16 is not None and not rules.reads_csconfig:
         raise InputValueError(f"{src}csconfig.use_cbfloat16: Model Zoo {_name(rules)} does not read this "
-                          "key (last read by 1.9); use model.fp16_type: cbfloat16")
+                              "key (last read by 1.9); use model.fp16_type: cbfloat16")
     if use_cb16:
         if use_bf16 or out.get("fp16_type", "cbfloat16") != "cbfloat16":
             raise InputValueError(f"{src}csconfig.use_cbfloat16: true contradicts the model's bfloat16/float16 setting")
@@ -364,7 +365,7 @@ def _legacy_to_current(values: dict[str, Any], src: str, rules: ModelZooRules) -
     model_pol = values.get("model.precision_opt_level")
     if model_pol is not None and not rules.reads_model_precision_opt_level:
         raise InputValueError(f"{src}model.precision_opt_level: Model Zoo {_name(rules)} no longer reads "
-                          "it here; use runconfig.precision_opt_level")
+                              "it here; use runconfig.precision_opt_level")
     # run_cstorch_flow.py (1.9, 2.0): runconfig's value wins over the deprecated model one.
     pol = values.get("runconfig.precision_opt_level", model_pol)
     if pol is not None:
@@ -411,7 +412,8 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
     of the section holding the DLS keys, for error messages.
     """
     if values is None:
-        return ModelZooSettings({"mixed_precision": False, "loss_scale": None, "extras": extras}, src)
+        off = {"mixed_precision": False, "loss_scale": None, "extras": extras}
+        return ModelZooSettings(off, src)
     if values.get("max_gradient_norm") is not None and values.get("max_gradient_value") is not None:
         raise InputValueError(
             f"{src}{dls}max_gradient_norm and {dls}max_gradient_value: set at most one of them"
@@ -454,7 +456,7 @@ def _cstorch_dynamic_rules(kwargs: dict[str, Any], values: dict[str, Any], src: 
     low = values.get("min_loss_scale")
     if low is not None and low < _CSTORCH_MIN_LOSS_SCALE:
         raise InputValueError(f"{src}{dls}min_loss_scale: {excerpt(low)} is below 2**-14; cstorch's "
-                          "GradScaler refuses it (min_loss_scale too small)")
+                              "GradScaler refuses it (min_loss_scale too small)")
     init = values.get("initial_loss_scale")
     if init is None:
         return
@@ -519,7 +521,7 @@ def settings_from_params(data: dict[str, Any], *, fields: Collection[str], sourc
         rules = rules or modelzoo_rules(None, modelzoo_model)
         if not rules.has_trainer:
             raise InputValueError(f"{source}: the trainer layout needs Model Zoo 2.3 or later "
-                              f"(modelzoo_release is {_name(rules)})")
+                                  f"(modelzoo_release is {_name(rules)})")
         values = _read_current(data, src)
         return _build(values, src, "trainer.init.precision.", rules, {})
     if any(s in data for s in _LEGACY_SECTIONS):

@@ -11,10 +11,10 @@ Order (one pass per file, ``VerbNounPass`` in ``verb_noun_pass.py``):
 
 then ``dlspass.graph.invariants.verify``. A pass that does not apply records why
 (``skip_reasons``, shown by ``dlspass inspect``); the ``dlspass.passes`` logger tells at DEBUG,
-per pass, the nodes it added and removed or why it skipped (`GraphPass`). The config is recorded as JSON on
-the output node (``meta["custom"]["dlspass_config"]``; also on the seed node, whose meta
-survives ``torch.export``, which rebuilds the output node), which makes the pipeline idempotent
-and lets it refuse a graph already rewritten with a different config.
+per pass, the nodes it added and removed or why it skipped (`GraphPass`). The config is
+recorded as JSON on the output node (``meta["custom"]["dlspass_config"]``; also on the seed
+node, whose meta survives ``torch.export``, which rebuilds the output node), which makes the
+pipeline idempotent and lets it refuse a graph already rewritten with a different config.
 
 The other files here are the rewrites around the pipeline, imported where they are used (each
 file's one-line docstring states its rewrite; README "Layout" groups them): capture and packaging

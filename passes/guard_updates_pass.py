@@ -56,5 +56,6 @@ class GuardUpdatesPass(FlagConsumerPass):
         if no_check_reason(self.config) is not None:
             return
         for i, role, target, value in outputs(gm.graph):
-            if role in roles.GUARDED_UPDATES and value.op != "placeholder" and roles.role_of(value) != roles.GUARD:
+            if (role in roles.GUARDED_UPDATES and value.op != "placeholder"
+                    and roles.role_of(value) != roles.GUARD):
                 raise PassContractError(f"guard_updates: output {i} ({target!r}) is not guarded")
