@@ -1,4 +1,5 @@
-"""Policy as data: the DLS configuration and the scale-policy presets.
+"""The DLS configuration: `DLSConfig`, checked in float32 terms (the presets it resolves
+against are data in `dlspass.presets`).
 
 `DLSConfig` keeps what the user wrote (``None`` means "the preset's default") and resolves the
 effective numbers through properties, so that ``dataclasses.replace`` on a config never turns a
@@ -9,84 +10,35 @@ docs/SEMANTICS.md §2 (cstorch's and the other tools' defaults, with their sourc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from dlspass.errors import DLSInputError
+from dlspass import modelzoo
+from dlspass.errors import InputValueError
+from dlspass.presets import (
+    FLOAT32_MAX,
+    FP16_TYPES,
+    POLICIES,
+    FP16Type,
+    Policy,
+    PresetDefaults,
+    excerpt,
+    preset_defaults,
+)
 
-# The choices are written once, as the types of DLSConfig's fields; the tuples are their values.
-FP16Type = Literal["float16", "bfloat16", "cbfloat16"]
-Policy = Literal["cerebras", "torch", "deepspeed", "megatron", "keras"]
 PrecisionMode = Literal["emulate", "native"]
 """How 16-bit ops run: ``emulate`` rounds in float32 containers, ``native`` casts to the dtype."""
-FP16_TYPES: tuple[str, ...] = get_args(FP16Type)
-POLICIES: tuple[str, ...] = get_args(Policy)
 PRECISION_MODES: tuple[str, ...] = get_args(PrecisionMode)
-FLOAT32_MAX = 3.4028234663852886e38
 
 
-class ConfigError(DLSInputError, ValueError):
+class ConfigError(InputValueError):
     """A DLS configuration value is invalid; the message names the key."""
 
 
-@dataclass(frozen=True)
-class PresetDefaults:
-    """The numbers a policy uses when the user leaves a key at ``None``."""
-
-    initial_loss_scale: float
-    max_loss_scale: float
-    min_loss_scale: float
-    steps_per_increase: int
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    hysteresis: int = 1
-    overflow_check: Literal["global_norm", "all_finite"] = "all_finite"
-
-
-def preset_defaults(policy: str, fp16_type: str) -> PresetDefaults:
-    """Defaults of ``policy`` for ``fp16_type`` (docs/SEMANTICS.md §2)."""
-    if policy == "cerebras":
-        init = 2.0**31 if fp16_type == "cbfloat16" else 2.0**15
-        return PresetDefaults(init, init, 2.0**-14, 2000, overflow_check="global_norm")
-    if policy == "torch":
-        # torch has no floor or cap: the floor keeps 1/scale finite (docs/SEMANTICS.md §3.1),
-        # the cap is fp32's largest value, which torch's "grow only if finite" rule never exceeds.
-        return PresetDefaults(2.0**16, FLOAT32_MAX, 2.0**-14, 2000)
-    if policy == "deepspeed":
-        return PresetDefaults(2.0**16, FLOAT32_MAX, 1.0, 1000, hysteresis=2)
-    if policy == "megatron":
-        return PresetDefaults(2.0**32, FLOAT32_MAX, 1.0, 1000, hysteresis=2)
-    if policy == "keras":
-        return PresetDefaults(2.0**15, FLOAT32_MAX, 2.0**-14, 2000)
-    raise ConfigError(f"policy: unknown preset {policy!r}; choose one of {', '.join(POLICIES)}")
-
-
-# float32 bounds: every scale lives in a float32 tensor, so it must be a normal float32 whose
-# reciprocal is finite too (unscaling multiplies by 1/scale); 2**-126 is the smallest normal.
-FLOAT32_MIN_NORMAL = 2.0**-126
 # Step counters are int64 tensors: an interval must fit int64 (2**63 - 1 is torch's and Model Zoo's
 # "never grow"), so that a hostile value (10**30) cannot overflow the counter arithmetic.
 MAX_STEPS = 2**63 - 1
-_EXCERPT = 60
-
-
-def excerpt(value: object) -> str:
-    """A bounded, one-line rendering of ``value`` for error messages (never a full ``repr``).
-
-    Long strings are cut, containers show their type and size, huge integers their bit length:
-    a 50 MB string or an alias tree from a YAML file cannot blow up an error line.
-    """
-    if isinstance(value, str):
-        head = value[:_EXCERPT]
-        text = repr(head)
-        return text if len(value) <= _EXCERPT else f"{text[:-1]}...' ({len(value)} characters)"
-    if isinstance(value, bool) or value is None or isinstance(value, float):
-        return repr(value)
-    if isinstance(value, int):
-        return repr(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
-    if isinstance(value, (list, tuple, dict, set, frozenset)):
-        return f"{type(value).__name__} of {len(value)} items"
-    return f"a {type(value).__name__}"
 
 
 def _number(name: str, value: Any, *, allow_none: bool = True) -> float | None:
@@ -300,16 +252,44 @@ class DLSConfig:
         ``modelzoo_release`` (e.g. ``"2.4"`` or ``"Release_2.4.0"``) and ``modelzoo_model`` (the
         Model Zoo model directory, e.g. ``"gpt3"``) pick the release-dependent defaults; see
         docs/MODELZOO.md.
-        """
-        from dlspass.modelzoo import config_from_params
 
-        return config_from_params(data, source=source, modelzoo_release=modelzoo_release,
-                                  modelzoo_model=modelzoo_model)
+        Example:
+            >>> cfg = DLSConfig.from_dict({"trainer": {"init": {"precision": {
+            ...     "fp16_type": "cbfloat16", "loss_scaling_factor": "dynamic"}}}})
+            >>> cfg.init_scale == 2.0**31
+            True
+        """
+        return _from_modelzoo(lambda: modelzoo.settings_from_params(
+            data, source=source, modelzoo_release=modelzoo_release, modelzoo_model=modelzoo_model,
+            fields=_field_names()))
 
     @classmethod
     def from_yaml(cls, path: str, *, modelzoo_release: str | None = None,
                   modelzoo_model: str | None = None) -> DLSConfig:
-        """Read the precision settings of a Model Zoo ``params.yaml`` (see `from_dict`)."""
-        from dlspass.modelzoo import config_from_yaml
+        """Read the precision settings of a Model Zoo ``params.yaml`` (see `from_dict`).
 
-        return config_from_yaml(path, modelzoo_release=modelzoo_release, modelzoo_model=modelzoo_model)
+        Example:
+            >>> cfg = DLSConfig.from_yaml("params.yaml", modelzoo_release="2.10")  # doctest: +SKIP
+            >>> cfg.loss_scale, cfg.fp16_type  # doctest: +SKIP
+            ('dynamic', 'cbfloat16')
+        """
+        return _from_modelzoo(lambda: modelzoo.settings_from_yaml(
+            path, modelzoo_release=modelzoo_release, modelzoo_model=modelzoo_model,
+            fields=_field_names()))
+
+
+def _field_names() -> frozenset[str]:
+    return frozenset(f.name for f in fields(DLSConfig))
+
+
+def _from_modelzoo(read: Callable[[], modelzoo.ModelZooSettings]) -> DLSConfig:
+    """The `DLSConfig` of what ``read`` takes from a Model Zoo file or dict; every refusal is a
+    `ConfigError` naming the file and, for a value DLSConfig refuses, the key the file wrote."""
+    try:
+        settings = read()
+    except InputValueError as exc:  # modelzoo sits below this module: it raises the family class
+        raise ConfigError(str(exc)) from None
+    try:
+        return DLSConfig(**settings.kwargs)
+    except ConfigError as exc:
+        raise ConfigError(settings.in_file_terms(str(exc))) from None

@@ -48,31 +48,24 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from dlspass.config import DLSConfig
-from dlspass.errors import DLSInputError, DLSInternalError
+from dlspass.errors import InputRuntimeError, InputValueError, InternalValueError
 from dlspass.scale_policy import sum_squares
 
-LOCAL_GRAD = "local_grad"  # a rank's own gradient, before the in-graph all-reduce
-GRAD_ALLREDUCE = "grad_allreduce"
-FLAG_ALLREDUCE = "flag_allreduce"
-LOCAL = "local"  # target of the rank-local overflow flag once the global one exists
-PASS_NAME = "distributed"
+# ``torch.distributed`` is not set up as the call needs (e.g. not initialised)
+DistributedSetupError = InputRuntimeError
 
 
-class DistributedSetupError(DLSInputError, RuntimeError):
-    """``torch.distributed`` is not set up as the call needs (e.g. not initialised)."""
-
-
-class GradientLayoutError(DLSInputError, ValueError):
-    """A gradient's distributed layout cannot be unscaled (e.g. a pending ``Partial`` reduction)."""
+# a gradient's distributed layout cannot be unscaled (e.g. a pending ``Partial`` reduction)
+GradientLayoutError = InputValueError
 
 
 class UnsupportedLayoutError(GradientLayoutError, NotImplementedError):
     """A gradient layout dlspass does not support yet (sharding over a multi-dimensional mesh)."""
 
 
-class DistributedContractError(DLSInternalError, ValueError):
-    """A caller inside dlspass broke a contract of this module (mismatched lists, a graph pass
-    run on a graph it cannot take or twice)."""
+# a caller inside dlspass broke a contract of this module (mismatched lists, a graph pass run on
+# a graph it cannot take or twice)
+DistributedContractError = InternalValueError
 
 
 # ---- eager ---------------------------------------------------------------------------------------

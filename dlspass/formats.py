@@ -26,7 +26,7 @@ There are three implementations that agree bitwise (NaN payloads aside):
    it off). Smaller tensors, and the fallback, run the bit form in place on chunks that stay in
    L2 and below ATen's parallel grain size.
 2. ``round_bits``: int32 bit arithmetic made of plain aten ops, so inductor fuses it into one
-   loop; ``decompose_rounding`` (`dlspass.passes.decompose_rounding_pass`) swaps the custom op
+   loop; `dlspass.passes.decompose_rounding_pass.DecomposeRoundingPass` swaps the custom op
    for it inside an FX graph.
 3. ``round_arith``: float arithmetic only (log2, exp2, round, where) for exporters that have no
    bitcast (ONNX).
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from dlspass.errors import DLSInputError
+from dlspass.errors import InputTypeError, InputValueError
 
 __all__ = [
     "BFLOAT16",
@@ -53,7 +53,6 @@ __all__ = [
     "Format",
     "FormatError",
     "FormatTypeError",
-    "decompose_rounding",
     "get_format",
     "round_arith",
     "round_bits",
@@ -73,15 +72,12 @@ COMPILE_MIN_NUMEL = 1 << 22
 # that float16 and bfloat16 without switches are a cast there and back; for inductor with
 # emulate_precision_casts, which otherwise drops the round trip)
 FORMS = ("bits", "arith", "cast")
-ROUNDED_KEY = "dlspass_rounded"  # meta["custom"] key: the format a decomposed rounding rounds to
 
 
-class FormatError(DLSInputError, ValueError):
-    """A float format (or rounding form) name that dlspass does not know."""
-
-
-class FormatTypeError(DLSInputError, TypeError):
-    """A value of the wrong type for a format argument or the rounding op."""
+# a float format (or rounding form) name that dlspass does not know
+FormatError = InputValueError
+# a value of the wrong type for a format argument or the rounding op
+FormatTypeError = InputTypeError
 
 
 @dataclass(frozen=True)
@@ -483,28 +479,3 @@ def round_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
         return impl(t, fmt, saturate, flush_to_zero)
 
     return fn
-
-
-def rounded_format(node: fx.Node) -> str | None:
-    """The format ``node`` rounds to: a ``dlspass::round_to_format`` node, or the last node of
-    one that ``decompose_rounding`` replaced; None for any other node."""
-    if is_round_node(node):
-        return round_node_args(node)[1]
-    return node.meta.get("custom", {}).get(ROUNDED_KEY)
-
-
-def decompose_rounding(gm: fx.GraphModule, form: str = "bits", decompositions: dict | None = None) -> int:
-    """Replace each ``dlspass::round_to_format`` node in ``gm`` by traced plain aten ops.
-
-    ``form="bits"``: ``round_bits`` (int32 bit operations that inductor fuses); ``"arith"``:
-    ``round_arith`` (no bit-casts, for ONNX). Runs `DecomposeRoundingPass`, which traces the
-    form on the node input's fake value (so the new nodes carry valid ``meta["val"]``) and
-    grafts it in place. Returns the number of nodes replaced; ``gm`` is recompiled when it
-    changed. ``decompositions``: a table the form is traced with (inductor's, for a graph that
-    goes to ``compile_fx_inner`` as it is).
-    """
-    from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
-
-    rewrite = DecomposeRoundingPass(form, decompositions)
-    rewrite(gm)
-    return rewrite.replaced

@@ -1,4 +1,7 @@
-"""Read the precision settings of a Cerebras Model Zoo ``params.yaml`` into a `DLSConfig`.
+"""Read the precision settings of a Cerebras Model Zoo ``params.yaml`` as `DLSConfig` arguments.
+
+`DLSConfig.from_yaml` / `DLSConfig.from_dict` are the entry points; this module sits below
+`dlspass.config` and returns keyword arguments (`ModelZooSettings`), which the config checks.
 
 Three layouts are understood:
 
@@ -22,9 +25,10 @@ does), unless the file uses keys only older releases read (``use_bfloat16``,
 
 Model Zoo configs are full of unrelated keys (learning rates, model sizes, data paths): those are
 ignored. Inside the precision settings every key must be known and well typed; mistakes are a
-one-line `ConfigError` that names the file and the key path and shows a bounded excerpt of the
-value. In the legacy sections, which mix precision keys with everything else, a near miss of a
-precision key (``loss_scaling_factr``) is an error too, so that a typo cannot turn DLS off.
+one-line error (a ``ConfigError`` from `DLSConfig.from_yaml`) that names the file and the key
+path and shows a bounded excerpt of the value. In the legacy sections, which mix precision keys
+with everything else, a near miss of a precision key (``loss_scaling_factr``) is an error too,
+so that a typo cannot turn DLS off.
 
 Files are read defensively: regular files only, at most `MAX_YAML_BYTES`, no duplicate keys
 (Model Zoo's loader rejects them since 2.5), a bound on nesting depth and on the size of the
@@ -38,14 +42,16 @@ import os
 import re
 import stat
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlspass.config import FLOAT32_MAX, FP16_TYPES, ConfigError, DLSConfig, excerpt, preset_defaults
+from dlspass.errors import InputValueError
+from dlspass.presets import FLOAT32_MAX, FP16_TYPES, excerpt, preset_defaults
 
-__all__ = ["ModelZooRules", "config_from_params", "config_from_yaml", "load_yaml", "modelzoo_rules"]
+__all__ = ["ModelZooRules", "ModelZooSettings", "load_yaml", "modelzoo_rules",
+           "settings_from_params", "settings_from_yaml"]
 
 _MISSING = object()
 
@@ -165,27 +171,27 @@ def modelzoo_rules(release: str | tuple[int, int] | None = None, model: str | No
     else:
         m = re.fullmatch(r"(?:R_|Release_|rel-|v)?(\d{1,2})\.(\d{1,2})(?:\.\d{1,3})?", str(release).strip())
         if m is None:
-            raise ConfigError(f"modelzoo_release: expected a release such as '2.4' or "
-                              f"'Release_2.4.0', got {excerpt(release)}")
+            raise InputValueError(f"modelzoo_release: expected a release such as '2.4' or "
+                                  f"'Release_2.4.0', got {excerpt(release)}")
         parsed = (int(m.group(1)), int(m.group(2)))
     if not (isinstance(parsed, tuple) and len(parsed) == 2 and all(type(x) is int for x in parsed)):
-        raise ConfigError(f"modelzoo_release: expected (major, minor), got {excerpt(release)}")
+        raise InputValueError(f"modelzoo_release: expected (major, minor), got {excerpt(release)}")
     if parsed < _FIRST_RELEASE:
-        raise ConfigError(f"modelzoo_release: {parsed[0]}.{parsed[1]} predates R_1.6.0, the first "
-                          "release dlspass reads")
+        raise InputValueError(f"modelzoo_release: {parsed[0]}.{parsed[1]} predates R_1.6.0, the first "
+                              "release dlspass reads")
     if model is not None and not isinstance(model, str):
-        raise ConfigError(f"modelzoo_model: expected a model directory name, got {excerpt(model)}")
+        raise InputValueError(f"modelzoo_model: expected a model directory name, got {excerpt(model)}")
     return ModelZooRules(parsed, model)
 
 
-# ---- value checkers: (value, where) -> normalized value, raising ConfigError ---------------------
+# ---- value checkers: (value, where) -> normalized value, raising InputValueError ---------------------
 def _key(key: Any) -> str:
     """A mapping key as it appears in a key path: short strings as they are, others as an excerpt."""
     return key if isinstance(key, str) and len(key) <= 60 and key.isprintable() else excerpt(key)
 
 
-def _fail(where: str, expected: str, value: Any) -> ConfigError:
-    return ConfigError(f"{where}: expected {expected}, got {excerpt(value)}")
+def _fail(where: str, expected: str, value: Any) -> InputValueError:
+    return InputValueError(f"{where}: expected {expected}, got {excerpt(value)}")
 
 
 def _bool(value: Any, where: str) -> bool:
@@ -287,7 +293,7 @@ _CHECKERS: dict[str, Callable[[Any, str], Any]] = {
 # ---- layouts ------------------------------------------------------------------------------------
 def _mapping(value: Any, where: str) -> Mapping:
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {excerpt(value)}")
+        raise InputValueError(f"{where}: expected a mapping, got {excerpt(value)}")
     return value
 
 
@@ -308,7 +314,7 @@ def _read_current(data: Mapping, src: str) -> dict[str, Any] | None:
     for key, value in precision.items():
         where = f"{src}trainer.init.precision.{_key(key)}"
         if key not in _CURRENT_KEYS:
-            raise ConfigError(f"{where}: unknown precision key{_hint(key, _CURRENT_KEYS)}")
+            raise InputValueError(f"{where}: unknown precision key{_hint(key, _CURRENT_KEYS)}")
         out[key] = _CHECKERS[key](value, where)
     return out
 
@@ -326,7 +332,7 @@ def _read_legacy(data: Mapping, src: str) -> dict[str, Any]:
             if key in known:
                 out[f"{section}.{key}"] = _CHECKERS[key](value, where)
             elif isinstance(key, str) and len(key) < 200 and difflib.get_close_matches(key, known, 1, _TYPO_CUTOFF):
-                raise ConfigError(f"{where}: unknown key{_hint(key, known)}")
+                raise InputValueError(f"{where}: unknown key{_hint(key, known)}")
     return out
 
 
@@ -340,26 +346,26 @@ def _legacy_to_current(values: dict[str, Any], src: str, rules: ModelZooRules) -
         out["fp16_type"] = values["model.fp16_type"]
     use_bf16 = values.get("model.use_bfloat16")
     if use_bf16 is not None and not rules.reads_use_bfloat16:
-        raise ConfigError(f"{src}model.use_bfloat16: Model Zoo {_name(rules)} rejects this key "
-                          "(deprecated in 2.1; use model.fp16_type)")
+        raise InputValueError(f"{src}model.use_bfloat16: Model Zoo {_name(rules)} rejects this key "
+                              "(deprecated in 2.1; use model.fp16_type)")
     if use_bf16:
         if out.get("fp16_type", "bfloat16") != "bfloat16":
-            raise ConfigError(f"{src}model.use_bfloat16: true contradicts model.fp16_type: {out['fp16_type']}")
+            raise InputValueError(f"{src}model.use_bfloat16: true contradicts model.fp16_type: {out['fp16_type']}")
         out["fp16_type"] = "bfloat16"
     elif use_bf16 is False and "fp16_type" not in out:
         out["fp16_type"] = "float16"
     use_cb16 = values.get("csconfig.use_cbfloat16")
     if use_cb16 is not None and not rules.reads_csconfig:
-        raise ConfigError(f"{src}csconfig.use_cbfloat16: Model Zoo {_name(rules)} does not read this "
-                          "key (last read by 1.9); use model.fp16_type: cbfloat16")
+        raise InputValueError(f"{src}csconfig.use_cbfloat16: Model Zoo {_name(rules)} does not read this "
+                              "key (last read by 1.9); use model.fp16_type: cbfloat16")
     if use_cb16:
         if use_bf16 or out.get("fp16_type", "cbfloat16") != "cbfloat16":
-            raise ConfigError(f"{src}csconfig.use_cbfloat16: true contradicts the model's bfloat16/float16 setting")
+            raise InputValueError(f"{src}csconfig.use_cbfloat16: true contradicts the model's bfloat16/float16 setting")
         out["fp16_type"] = "cbfloat16"
     model_pol = values.get("model.precision_opt_level")
     if model_pol is not None and not rules.reads_model_precision_opt_level:
-        raise ConfigError(f"{src}model.precision_opt_level: Model Zoo {_name(rules)} no longer reads "
-                          "it here; use runconfig.precision_opt_level")
+        raise InputValueError(f"{src}model.precision_opt_level: Model Zoo {_name(rules)} no longer reads "
+                              "it here; use runconfig.precision_opt_level")
     # run_cstorch_flow.py (1.9, 2.0): runconfig's value wins over the deprecated model one.
     pol = values.get("runconfig.precision_opt_level", model_pol)
     if pol is not None:
@@ -381,17 +387,35 @@ def _hint(key: Any, known: Mapping) -> str:
     return "; known keys: " + ", ".join(sorted(known))
 
 
+@dataclass(frozen=True)
+class ModelZooSettings:
+    """What a Model Zoo file says: ``kwargs`` for `DLSConfig`, and how to name its fields in a
+    message the way the file does (``source`` prefix, ``key_paths``: field -> key path)."""
+
+    kwargs: dict[str, Any]
+    source: str
+    key_paths: dict[str, str] = field(default_factory=dict)
+
+    def in_file_terms(self, message: str) -> str:
+        """``message`` (about `DLSConfig` fields) naming the file and the keys the file wrote."""
+        if self.key_paths:
+            message = re.sub(r"\b(" + "|".join(self.key_paths) + r")\b",
+                             lambda m: self.key_paths[m.group(1)], message)
+        return f"{self.source}{message}"
+
+
 def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRules,
-           extras: dict[str, Any]) -> DLSConfig:
-    """Turn checked Model Zoo keys into a DLSConfig, applying the release's defaults.
+           extras: dict[str, Any]) -> ModelZooSettings:
+    """Turn checked Model Zoo keys into DLSConfig arguments, applying the release's defaults.
 
     ``values`` None means no precision callback (fp32 without a scaler); ``dls`` is the key path
     of the section holding the DLS keys, for error messages.
     """
     if values is None:
-        return DLSConfig(mixed_precision=False, loss_scale=None, extras=extras)
+        off = {"mixed_precision": False, "loss_scale": None, "extras": extras}
+        return ModelZooSettings(off, src)
     if values.get("max_gradient_norm") is not None and values.get("max_gradient_value") is not None:
-        raise ConfigError(
+        raise InputValueError(
             f"{src}{dls}max_gradient_norm and {dls}max_gradient_value: set at most one of them"
         )
     enabled = values.get("enabled", True)
@@ -400,7 +424,7 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
     if enabled and fp16_type == "cbfloat16" and loss_scale != "dynamic":
         got = (f"got {excerpt(values['loss_scaling_factor'])}" if "loss_scaling_factor" in values
                else "absent means 1.0")
-        raise ConfigError(
+        raise InputValueError(
             f"{src}{dls}loss_scaling_factor: cbfloat16 requires loss_scaling_factor: dynamic "
             f"({got}); a static scale lets gradients underflow or overflow"
         )
@@ -421,23 +445,18 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
         why = f" (Model Zoo {_name(rules)}'s default)" if "fp16_type" not in values else ""
         warnings.warn(f"{src}{dls}loss_scaling_factor: {excerpt(loss_scale)} is dropped: the half "
                       f"format is bfloat16{why}, which has float32's range, so Model Zoo trains "
-                      "without loss scaling", UserWarning, stacklevel=4)
-    try:
-        return DLSConfig(**kwargs, extras=extras)
-    except ConfigError as exc:
-        # DLSConfig names its own fields; name the YAML keys the user wrote instead.
-        yaml_key = {field_name: key for key, field_name in _DLS_KEYS.items()}
-        msg = re.sub(r"\b(" + "|".join(yaml_key) + r")\b",
-                     lambda m: dls + yaml_key[m.group(1)], str(exc))
-        raise ConfigError(f"{src}{msg}") from None
+                      "without loss scaling", UserWarning, stacklevel=6)
+    # DLSConfig names its own fields; messages name the YAML keys the user wrote instead
+    key_paths = {field_name: dls + key for key, field_name in _DLS_KEYS.items()}
+    return ModelZooSettings({**kwargs, "extras": extras}, src, key_paths)
 
 
 def _cstorch_dynamic_rules(kwargs: dict[str, Any], values: dict[str, Any], src: str, dls: str) -> None:
     """cstorch GradScaler: init = min(max, init); a dynamic min below 2**-14 is refused."""
     low = values.get("min_loss_scale")
     if low is not None and low < _CSTORCH_MIN_LOSS_SCALE:
-        raise ConfigError(f"{src}{dls}min_loss_scale: {excerpt(low)} is below 2**-14; cstorch's "
-                          "GradScaler refuses it (min_loss_scale too small)")
+        raise InputValueError(f"{src}{dls}min_loss_scale: {excerpt(low)} is below 2**-14; cstorch's "
+                              "GradScaler refuses it (min_loss_scale too small)")
     init = values.get("initial_loss_scale")
     if init is None:
         return
@@ -448,11 +467,10 @@ def _cstorch_dynamic_rules(kwargs: dict[str, Any], values: dict[str, Any], src: 
         kwargs["initial_loss_scale"] = float(high)
 
 
-def _read_flat(data: Mapping, src: str) -> DLSConfig:
-    names = {f.name for f in fields(DLSConfig)}
+def _read_flat(data: Mapping, src: str, names: Collection[str]) -> ModelZooSettings:
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(
+            raise InputValueError(
                 f"{src}{_key(key)}: "
                 f"unknown DLSConfig field{_hint(key, dict.fromkeys(names))} "
                 "(Model Zoo files put precision settings under trainer.init.precision)"
@@ -464,10 +482,7 @@ def _read_flat(data: Mapping, src: str) -> DLSConfig:
     kwargs = dict(data)
     if "extras" in kwargs:
         kwargs["extras"] = dict(kwargs["extras"])
-    try:
-        return DLSConfig(**kwargs)
-    except ConfigError as exc:
-        raise ConfigError(f"{src}{exc}") from None
+    return ModelZooSettings(kwargs, src)
 
 
 def _detect_rules(legacy: dict[str, Any]) -> ModelZooRules:
@@ -479,24 +494,19 @@ def _detect_rules(legacy: dict[str, Any]) -> ModelZooRules:
     return ModelZooRules(_LATEST_RELEASE)
 
 
-def config_from_params(data: dict[str, Any], *, source: str = "<dict>",
-                       modelzoo_release: str | tuple[int, int] | None = None,
-                       modelzoo_model: str | None = None) -> DLSConfig:
-    """Build a `DLSConfig` from a parsed Model Zoo params dict (current, legacy or flat layout).
+def settings_from_params(data: dict[str, Any], *, fields: Collection[str], source: str = "<dict>",
+                         modelzoo_release: str | tuple[int, int] | None = None,
+                         modelzoo_model: str | None = None) -> ModelZooSettings:
+    """The DLSConfig arguments of a parsed Model Zoo params dict (current, legacy or flat layout).
 
-    ``source`` names the origin in error messages (usually the YAML file's path);
-    ``modelzoo_release`` / ``modelzoo_model`` select the release's defaults (module docstring).
-
-    Example:
-        >>> cfg = config_from_params({"trainer": {"init": {"precision": {
-        ...     "fp16_type": "cbfloat16", "loss_scaling_factor": "dynamic"}}}})
-        >>> cfg.init_scale == 2.0**31
-        True
+    ``fields``: the DLSConfig field names a flat dict may use; ``source`` names the origin in
+    error messages (usually the YAML file's path); ``modelzoo_release`` / ``modelzoo_model``
+    select the release's defaults (module docstring). `DLSConfig.from_dict` is the entry point.
     """
     src = f"{source}: "
     if not isinstance(data, Mapping):
         got = "nothing (empty document)" if data is None else excerpt(data)
-        raise ConfigError(f"{source}: the top level must be a mapping of settings, got {got}")
+        raise InputValueError(f"{source}: the top level must be a mapping of settings, got {got}")
     rules = None if modelzoo_release is None else modelzoo_rules(modelzoo_release, modelzoo_model)
     legacy_present = any(
         isinstance(data.get(s), Mapping) and any(k in data[s] for k in keys)
@@ -504,14 +514,14 @@ def config_from_params(data: dict[str, Any], *, source: str = "<dict>",
     )
     if "trainer" in data:
         if legacy_present:
-            raise ConfigError(
+            raise InputValueError(
                 f"{source}: precision settings found both under trainer.init.precision (current "
                 "layout) and under optimizer/model/runconfig (legacy layout); keep one layout"
             )
         rules = rules or modelzoo_rules(None, modelzoo_model)
         if not rules.has_trainer:
-            raise ConfigError(f"{source}: the trainer layout needs Model Zoo 2.3 or later "
-                              f"(modelzoo_release is {_name(rules)})")
+            raise InputValueError(f"{source}: the trainer layout needs Model Zoo 2.3 or later "
+                                  f"(modelzoo_release is {_name(rules)})")
         values = _read_current(data, src)
         return _build(values, src, "trainer.init.precision.", rules, {})
     if any(s in data for s in _LEGACY_SECTIONS):
@@ -527,7 +537,7 @@ def config_from_params(data: dict[str, Any], *, source: str = "<dict>",
         precision_keys = {k for k in raw if k != "runconfig.load_checkpoint_states"}
         values = _legacy_to_current(raw, src, rules) if precision_keys else None
         return _build(values, src, "optimizer.", rules, extras)
-    return _read_flat(data, src)
+    return _read_flat(data, src, fields)
 
 
 # ---- YAML ---------------------------------------------------------------------------------------
@@ -618,32 +628,32 @@ def _read_bounded(path: str | Path) -> str:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise ConfigError(f"{name}: no such file") from None
+        raise InputValueError(f"{name}: no such file") from None
     except OSError as exc:
-        raise ConfigError(f"{name}: cannot read: {exc.strerror or exc}") from None
+        raise InputValueError(f"{name}: cannot read: {exc.strerror or exc}") from None
     if stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{name}: is a directory, not a YAML file")
+        raise InputValueError(f"{name}: is a directory, not a YAML file")
     if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{name}: not a regular file (a device, FIFO or socket); give a YAML file")
+        raise InputValueError(f"{name}: not a regular file (a device, FIFO or socket); give a YAML file")
     try:
         # O_NONBLOCK: if the path was swapped for a FIFO after the stat, open does not wait.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
-        raise ConfigError(f"{name}: cannot read: {exc.strerror or exc}") from None
+        raise InputValueError(f"{name}: cannot read: {exc.strerror or exc}") from None
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ConfigError(f"{name}: not a regular file (a device, FIFO or socket); give a YAML file")
+            raise InputValueError(f"{name}: not a regular file (a device, FIFO or socket); give a YAML file")
         data = f.read(MAX_YAML_BYTES + 1)
     if len(data) > MAX_YAML_BYTES:
-        raise ConfigError(f"{name}: larger than {MAX_YAML_BYTES} bytes; not a Model Zoo params file")
+        raise InputValueError(f"{name}: larger than {MAX_YAML_BYTES} bytes; not a Model Zoo params file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{name}: cannot read: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise InputValueError(f"{name}: cannot read: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def load_yaml(path: str | Path) -> Any:
-    """Parse a YAML file, turning every failure into a one-line `ConfigError` naming the file."""
+    """Parse a YAML file, turning every failure into a one-line `InputValueError` naming the file."""
     import yaml
 
     name = str(path)
@@ -654,20 +664,16 @@ def load_yaml(path: str | Path) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{name}: invalid YAML{where}: {problem[:200]}") from None
+        raise InputValueError(f"{name}: invalid YAML{where}: {problem[:200]}") from None
     except (ValueError, RecursionError) as exc:
         # e.g. an integer literal past Python's digit limit
-        raise ConfigError(f"{name}: invalid YAML: {str(exc).splitlines()[0][:200]}") from None
+        raise InputValueError(f"{name}: invalid YAML: {str(exc).splitlines()[0][:200]}") from None
 
 
-def config_from_yaml(path: str | Path, *, modelzoo_release: str | tuple[int, int] | None = None,
-                     modelzoo_model: str | None = None) -> DLSConfig:
-    """Read the precision settings of a Model Zoo ``params.yaml`` (see the module docstring).
-
-    Example:
-        >>> cfg = config_from_yaml("params.yaml", modelzoo_release="2.10")  # doctest: +SKIP
-        >>> cfg.loss_scale, cfg.fp16_type  # doctest: +SKIP
-        ('dynamic', 'cbfloat16')
-    """
-    return config_from_params(load_yaml(path), source=str(path), modelzoo_release=modelzoo_release,
-                              modelzoo_model=modelzoo_model)
+def settings_from_yaml(path: str | Path, *, fields: Collection[str],
+                       modelzoo_release: str | tuple[int, int] | None = None,
+                       modelzoo_model: str | None = None) -> ModelZooSettings:
+    """The DLSConfig arguments of a Model Zoo ``params.yaml`` (see `settings_from_params`);
+    `DLSConfig.from_yaml` is the entry point."""
+    return settings_from_params(load_yaml(path), fields=fields, source=str(path),
+                                modelzoo_release=modelzoo_release, modelzoo_model=modelzoo_model)

@@ -10,11 +10,11 @@ Order (one pass per file, ``VerbNounPass`` in ``verb_noun_pass.py``):
 6. ``UpdateScalePass``     scaler-state outputs = ``update_state(state, isfinite)`` (dynamic)
 
 then ``dlspass.graph.invariants.verify``. A pass that does not apply records why
-(``skip_reasons``, shown by ``dlspass inspect``); ``log`` (this module's logger) tells at DEBUG,
-per pass, the nodes it added and removed or why it skipped. The config is recorded as JSON on
-the output node (``meta["custom"]["dlspass_config"]``; also on the seed node, whose meta
-survives ``torch.export``, which rebuilds the output node), which makes the pipeline idempotent
-and lets it refuse a graph already rewritten with a different config.
+(``skip_reasons``, shown by ``dlspass inspect``); the ``dlspass.passes`` logger tells at DEBUG,
+per pass, the nodes it added and removed or why it skipped (`GraphPass`). The config is
+recorded as JSON on the output node (``meta["custom"]["dlspass_config"]``; also on the seed
+node, whose meta survives ``torch.export``, which rebuilds the output node), which makes the
+pipeline idempotent and lets it refuse a graph already rewritten with a different config.
 
 The other files here are the rewrites around the pipeline, imported where they are used (each
 file's one-line docstring states its rewrite; README "Layout" groups them): capture and packaging
@@ -29,14 +29,19 @@ file's one-line docstring states its rewrite; README "Layout" groups them): capt
 from __future__ import annotations
 
 import json
-import logging
 
 import torch.fx as fx
 
 from dlspass.config import PRECISION_MODES, ConfigError, DLSConfig, PrecisionMode
+from dlspass.errors import GraphContractError
 from dlspass.graph import roles
-from dlspass.graph.roles import APPLIED_KEY, CONFIG_KEY, MODE_KEY
-from dlspass.passes.base import DLSPass, PassContractError, applied_passes, skip_reasons
+from dlspass.graph.invariants import check
+from dlspass.graph.roles import APPLIED_KEY as APPLIED_KEY
+from dlspass.graph.roles import CONFIG_KEY, MODE_KEY
+from dlspass.graph.roles import recorded_config as recorded_config
+from dlspass.passes.base import DLSPass, GraphPass, GraphPassResult, PassContractError
+from dlspass.passes.base import applied_passes as applied_passes
+from dlspass.passes.base import skip_reasons as skip_reasons
 from dlspass.passes.clip_grad_norm_pass import ClipGradNormPass
 from dlspass.passes.guard_updates_pass import GuardUpdatesPass
 from dlspass.passes.lower_precision_pass import LowerPrecisionPass
@@ -44,16 +49,16 @@ from dlspass.passes.scale_seed_pass import ScaleSeedPass
 from dlspass.passes.unscale_grads_pass import UnscaleGradsPass
 from dlspass.passes.update_scale_pass import UpdateScalePass
 
-log = logging.getLogger(__name__)
-
 PASSES = {p.name: p for p in (LowerPrecisionPass, ScaleSeedPass, UnscaleGradsPass,
                               ClipGradNormPass, GuardUpdatesPass, UpdateScalePass)}
 
+# the pipeline and its passes; the other passes are imported from their modules. The
+# pipeline's internals (APPLIED_KEY, check_graph, run_passes, recorded_config, skip_reasons,
+# applied_passes) stay importable from here without being part of the package's surface.
 __all__ = [
-    "APPLIED_KEY", "CONFIG_KEY", "PASSES", "ClipGradNormPass", "DLSPass", "GuardUpdatesPass",
+    "ClipGradNormPass", "DLSPass", "GraphPass", "GraphPassResult", "GuardUpdatesPass",
     "LowerPrecisionPass", "PassContractError", "ScaleSeedPass", "UnscaleGradsPass",
-    "UpdateScalePass", "apply_dls", "applied_passes", "check_graph", "default_passes",
-    "recorded_config", "run_passes", "skip_reasons",
+    "UpdateScalePass", "apply_dls", "default_passes",
 ]
 
 
@@ -69,64 +74,30 @@ def default_passes(config: DLSConfig | None, precision_mode: PrecisionMode = "em
 
 
 def check_graph(gm: fx.GraphModule) -> None:
-    """Invariants between passes: lint, roles present, fake values on every computed node."""
-    graph = gm.graph
-    graph.lint()
-    if len(roles.nodes_with_role(graph, roles.SEED)) != 1:
-        raise PassContractError("the graph needs exactly one backward_seed node")
-    out_roles = roles.output_roles(graph)
-    if not out_roles:
-        raise PassContractError("the output node records no output roles (dlspass_outputs)")
-    if len(out_roles) != len(roles.output_values(graph)):
-        raise PassContractError(f"{len(out_roles)} output roles for "
-                                f"{len(roles.output_values(graph))} outputs")
-    for node in graph.nodes:
-        if node.op in ("placeholder", "call_function") and "val" not in node.meta and node.users:
-            raise PassContractError(f"node {node.name!r} has no fake value (meta['val'])")
+    """`dlspass.graph.invariants.check` between passes: a broken contract is the pipeline's
+    ``PassContractError``."""
+    try:
+        check(gm)
+    except GraphContractError as e:
+        raise PassContractError(str(e)) from None
 
 
 def _config_json(config: DLSConfig | None) -> str:
     return json.dumps(None if config is None else config.to_dict(), sort_keys=True)
 
 
-def recorded_config(gm: fx.GraphModule) -> DLSConfig | None:
-    """The config ``apply_dls`` recorded on ``gm`` (None when none or no config was given)."""
-    raw = roles.recorded(gm.graph, CONFIG_KEY)
-    if raw is None:
-        return None
-    data = json.loads(raw)
-    return None if data is None else DLSConfig(**data)
-
-
-def run_passes(gm: fx.GraphModule, passes: list[DLSPass]) -> fx.GraphModule:
+def run_passes(gm: fx.GraphModule, passes: list[GraphPass]) -> fx.GraphModule:
     """Run ``passes`` in order on ``gm``, checking the graph before the first and after each.
 
     A plain loop rather than torch's ``PassManager``, which re-raises any error inside a pass
     as a bare ``Exception`` and so hides the ``PassContractError`` (or ``ConfigError``) a
-    caller is told to expect.
+    caller is told to expect. Each pass lints, recompiles and logs itself (`GraphPass`).
     """
     check_graph(gm)
     for p in passes:
-        before = set(gm.graph.nodes) if log.isEnabledFor(logging.DEBUG) else None
-        result = p(gm)
-        gm = result.graph_module
-        gm.recompile()
+        gm = p(gm).graph_module
         check_graph(gm)
-        if before is not None:
-            _log_pass(p, gm, before)
     return gm
-
-
-def _log_pass(p: DLSPass, gm: fx.GraphModule, before: set[fx.Node]) -> None:
-    after = set(gm.graph.nodes)
-    why = skip_reasons(gm.graph).get(p.name) if p.name not in applied_passes(gm.graph) else None
-    if why is not None:
-        log.debug("%s: skipped (%s)", p.name, why)
-        return
-    added = sorted(n.name for n in after - before)
-    removed = sorted(n.name for n in before - after)
-    log.debug("%s: added %d nodes %s, removed %d nodes %s", p.name, len(added), added,
-              len(removed), removed)
 
 
 def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,

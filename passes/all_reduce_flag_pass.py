@@ -8,21 +8,15 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import Tensor
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from dlspass.distributed import (
-    FLAG_ALLREDUCE,
-    LOCAL,
-    PASS_NAME,
-    DistributedContractError,
-    DistributedSetupError,
-)
+from dlspass.errors import InputRuntimeError, InternalValueError
 from dlspass.graph import roles
+from dlspass.graph.roles import FLAG_ALLREDUCE, GLOBAL, LOCAL, PASS_NAME
 from dlspass.graph.splice import splice
-from dlspass.passes.base import GLOBAL, global_node
+from dlspass.passes.base import GraphPass, GraphPassResult, global_node
 
 
-class AllReduceFlagPass(PassBase):
+class AllReduceFlagPass(GraphPass):
     """Make the overflow flag of a DLS-rewritten step agree over ``group`` (run after apply_dls).
 
     The local flag keeps the ISFINITE role with target ``"local"``; the agreed one becomes the
@@ -30,24 +24,26 @@ class AllReduceFlagPass(PassBase):
     (static scale, no scaling) is left unchanged.
     """
 
+    name = "all_reduce_flag"
+
     def __init__(self, group: Any = None) -> None:
         self.group = group
 
     def requires(self, gm: fx.GraphModule) -> None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise DistributedSetupError("insert_flag_allreduce: torch.distributed is not initialised")
+            raise InputRuntimeError(f"{self.name}: torch.distributed is not initialised")
         flag = global_node(gm.graph, roles.ISFINITE)
         if flag is not None and roles.pass_of(flag) == PASS_NAME:
-            raise DistributedContractError("insert_flag_allreduce: the flag is already all-reduced")
+            raise InternalValueError(f"{self.name}: the flag is already all-reduced")
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
+    def run(self, gm: fx.GraphModule) -> GraphPassResult:
         from torch.distributed import _functional_collectives as funcol
 
         group = self.group if self.group is not None else dist.group.WORLD
         graph = gm.graph
         flag = global_node(graph, roles.ISFINITE)
         if flag is None:
-            return PassResult(gm, False)
+            return GraphPassResult(gm, False, {"flags": 0})
 
         def agree(ok: Tensor) -> Tensor:
             bad = funcol.all_reduce((~ok).to(torch.float32), "sum", group)
@@ -58,6 +54,4 @@ class AllReduceFlagPass(PassBase):
         reduction = set(agreed.inserted)
         flag.replace_all_uses_with(agreed[0], delete_user_cb=lambda u: u not in reduction)
         roles.set_role(flag, roles.ISFINITE, LOCAL)
-        graph.lint()
-        gm.recompile()
-        return PassResult(gm, True)
+        return GraphPassResult(gm, True, {"flags": 1})

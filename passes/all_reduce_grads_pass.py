@@ -8,20 +8,15 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import Tensor
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from dlspass.distributed import (
-    GRAD_ALLREDUCE,
-    LOCAL_GRAD,
-    PASS_NAME,
-    DistributedContractError,
-    DistributedSetupError,
-)
+from dlspass.errors import InputRuntimeError, InternalValueError
 from dlspass.graph import roles
+from dlspass.graph.roles import GRAD_ALLREDUCE, LOCAL_GRAD, PASS_NAME
 from dlspass.graph.splice import splice
+from dlspass.passes.base import GraphPass, GraphPassResult
 
 
-class AllReduceGradsPass(PassBase):
+class AllReduceGradsPass(GraphPass):
     """Average (``average=False``: sum) every gradient over ``group`` inside the step graph.
 
     Runs before the DLS passes, so they unscale and check the reduced gradients: one bucketed
@@ -30,20 +25,22 @@ class AllReduceGradsPass(PassBase):
     keep only the bucket as user; the reduced ones carry the GRAD role and parameter name.
     """
 
+    name = "all_reduce_grads"
+
     def __init__(self, group: Any = None, *, average: bool = True) -> None:
         self.group = group
         self.average = average
 
     def requires(self, gm: fx.GraphModule) -> None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise DistributedSetupError("insert_grad_allreduce: torch.distributed is not initialised")
+            raise InputRuntimeError(f"{self.name}: torch.distributed is not initialised")
         found = roles.nodes_with_role(gm.graph, roles.GRAD)
         if not found:
-            raise DistributedContractError("insert_grad_allreduce: the graph has no grad node (roles.GRAD)")
+            raise InternalValueError(f"{self.name}: the graph has no grad node (roles.GRAD)")
         if any(roles.pass_of(n) == PASS_NAME for n in found):
-            raise DistributedContractError("insert_grad_allreduce: the gradients are already all-reduced")
+            raise InternalValueError(f"{self.name}: the gradients are already all-reduced")
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
+    def run(self, gm: fx.GraphModule) -> GraphPassResult:
         from torch.distributed import _functional_collectives as funcol
 
         group = self.group if self.group is not None else dist.group.WORLD
@@ -70,6 +67,4 @@ class AllReduceGradsPass(PassBase):
             for old, red in zip(nodes, reduced, strict=True):
                 old.replace_all_uses_with(red, delete_user_cb=lambda u, bucket=bucket: u not in bucket)
                 roles.set_role(old, LOCAL_GRAD, roles.target_of(old))
-        graph.lint()
-        gm.recompile()
-        return PassResult(gm, True)
+        return GraphPassResult(gm, True, {"buckets": len(by_dtype)})

@@ -1,30 +1,95 @@
-"""What every DLS pass shares: the template (skip or rewrite, then record), role look-ups on the step graph."""
+"""What every pass shares: `GraphPass` (a name, one lint and recompile, a log line, a result with
+counts), the `DLSPass` template on top of it (skip or rewrite, then record), and the role look-ups
+of the step graph."""
 
 from __future__ import annotations
 
 import json
-from typing import final
+import logging
+from collections.abc import Mapping
+from typing import ClassVar, cast, final
 
+import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from dlspass.config import DLSConfig
 from dlspass.errors import GraphContractError
 from dlspass.graph import roles
-from dlspass.graph.roles import APPLIED_KEY, SKIPPED_KEY
+from dlspass.graph.roles import APPLIED_KEY, GLOBAL, SKIPPED_KEY
 
-GLOBAL = "global"  # target of the one overflow flag and the one gradient norm of a step
+# the pipeline's logger since it was one loop in dlspass.passes: DEBUG lines per pass
+log = logging.getLogger("dlspass.passes")
 
 
 class PassContractError(GraphContractError):
     """A pass's precondition or postcondition does not hold; the message names the node."""
 
 
-class DLSPass(PassBase):
+class GraphPassResult(PassResult):
+    """What calling a `GraphPass` returns: torch's ``PassResult`` (``graph_module``, ``modified``)
+    plus ``stats``, counts of what the pass did (e.g. ``{"moved": 3}``), and ``skipped``, why the
+    pass left the graph alone when it says (a `DLSPass` skip reason), else None."""
+
+    stats: dict[str, int]
+    skipped: str | None
+
+    def __new__(cls, graph_module: fx.GraphModule, modified: bool,
+                stats: Mapping[str, int] | None = None, skipped: str | None = None) -> GraphPassResult:
+        self = super().__new__(cls, graph_module, modified)
+        self.stats = dict(stats or {})
+        self.skipped = skipped
+        return self
+
+
+class GraphPass(PassBase):
+    """An FX rewrite with a ``name`` (its id in logs, provenance and ``dlspass_pass``).
+
+    Subclasses write ``run`` (rewrite ``gm`` in place, return a `GraphPassResult`) and may write
+    torch's ``requires``/``ensures``; ``call`` is the same for all of them: it lints and
+    recompiles the graph once when it changed and logs, at DEBUG, the nodes it added and removed
+    (or why it skipped). Results leave through the returned value, never through attributes of
+    the pass, so one pass object can run on many graphs.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __call__(self, graph_module: fx.GraphModule) -> GraphPassResult:
+        return cast(GraphPassResult, super().__call__(graph_module))
+
+    @final
+    def call(self, graph_module: fx.GraphModule) -> GraphPassResult:
+        before = set(graph_module.graph.nodes) if log.isEnabledFor(logging.DEBUG) else None
+        result = self.run(graph_module)
+        gm = result.graph_module
+        if result.modified:
+            gm.graph.lint()
+            gm.recompile()
+        if before is not None:
+            _log_result(self.name, result, before)
+        return result
+
+    def run(self, gm: fx.GraphModule) -> GraphPassResult:
+        """Rewrite ``gm`` in place; the result says whether it changed and counts what."""
+        raise NotImplementedError(f"{type(self).__name__} must implement run()")
+
+
+def _log_result(name: str, result: GraphPassResult, before: set[fx.Node]) -> None:
+    if result.skipped is not None:
+        log.debug("%s: skipped (%s)", name, result.skipped)
+        return
+    after = set(result.graph_module.graph.nodes)
+    added = sorted(n.name for n in after - before)
+    removed = sorted(n.name for n in before - after)
+    log.debug("%s: added %d nodes %s, removed %d nodes %s", name, len(added), added,
+              len(removed), removed)
+
+
+class DLSPass(GraphPass):
     """A pass that either skips, saying why, or rewrites and records itself on the output node.
 
     Subclasses write ``skip_reason`` (None to run) and ``rewrite`` (True when the graph changed);
-    ``call`` is the same for all of them, so running a pass twice changes nothing and a skipped
+    ``run`` is the same for all of them, so running a pass twice changes nothing and a skipped
     pass leaves its reason where ``dlspass inspect`` finds it.
     """
 
@@ -34,16 +99,16 @@ class DLSPass(PassBase):
         self.config = config
 
     @final
-    def call(self, gm: fx.GraphModule) -> PassResult:
+    def run(self, gm: fx.GraphModule) -> GraphPassResult:
         if self.applied(gm):
-            return PassResult(gm, False)
+            return GraphPassResult(gm, False, skipped="already applied")
         why = self.skip_reason(gm)
         if why is not None:
             record_skip(gm.graph, self.name, why)
-            return PassResult(gm, False)
+            return GraphPassResult(gm, False, skipped=why)
         modified = self.rewrite(gm)
         self.mark_applied(gm)
-        return PassResult(gm, modified)
+        return GraphPassResult(gm, modified)
 
     def skip_reason(self, gm: fx.GraphModule) -> str | None:
         """Why this pass leaves ``gm`` alone (e.g. "static scale: no overflow check"), or None."""
@@ -164,6 +229,13 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return roles.ancestors(roles.nodes_with_role(graph, roles.GRAD))
 
 
+def is_float(node: object, dtype: torch.dtype | None = None) -> bool:
+    """True when ``node`` is a node whose fake value is a floating-point tensor (of ``dtype``)."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return (isinstance(val, torch.Tensor) and val.is_floating_point()
+            and (dtype is None or val.dtype == dtype))
+
+
 def global_node(graph: fx.Graph, role: str) -> fx.Node | None:
     """The step's one node with ``role`` and target ``"global"`` (overflow flag, norm)."""
     for node in roles.nodes_with_role(graph, role):
@@ -189,4 +261,5 @@ def set_outputs(graph: fx.Graph, replacements: dict[int, fx.Node]) -> None:
     vals = list(roles.output_values(graph))
     for i, node in replacements.items():
         vals[i] = node
+    # the output node's arguments: splice adds computed nodes, the passes choose what is returned
     out.args = (tuple(vals),)

@@ -6,9 +6,9 @@ import torch.fx as fx
 
 from dlspass import scale_policy
 from dlspass.graph import roles
+from dlspass.graph.roles import GLOBAL
 from dlspass.graph.splice import insertion_point, splice
 from dlspass.passes.base import (
-    GLOBAL,
     DLSPass,
     PassContractError,
     backward_nodes,

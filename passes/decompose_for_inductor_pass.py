@@ -9,39 +9,38 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from dlspass.graph.splice import graft
+from dlspass.passes.base import GraphPass, GraphPassResult
+from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 
 
-class DecomposeForInductorPass(PassBase):
+class DecomposeForInductorPass(GraphPass):
     """Bring the ops dlspass added to an AOT graph into inductor's op set, in place.
 
     ``compile_fx_inner`` lowers only decomposed graphs, and AOTAutograd traced the rest of the
     graph with the same table, so only what the dlspass passes added after it is left to do
     (``isfinite``, ``clamp``, the rounding op, ...). A node is left for inductor's fallback when
     it has no fake values to trace with, returns several values, or decomposes into constants.
-    ``replaced`` is the number of nodes the last call replaced.
+    The new nodes take the provenance of the node they replace. ``stats["replaced"]`` is the
+    number of nodes replaced (rounding ops included).
     """
+
+    name = "decompose_for_inductor"
 
     def __init__(self, table: dict[Any, Any] | None = None) -> None:
         self.table = table
-        self.replaced = 0
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
+    def run(self, gm: fx.GraphModule) -> GraphPassResult:
         from torch._inductor.decomposition import select_decomp_table
 
-        from dlspass.formats import decompose_rounding
-
         table = self.table if self.table is not None else select_decomp_table()
-        count = decompose_rounding(gm, form="cast", decompositions=table)
+        count = DecomposeRoundingPass("cast", table)(gm).stats["replaced"]
         graph = gm.graph
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target in table and _replace(graph, node, table):
                 count += 1
-        if count:
-            graph.lint()
-            gm.recompile()
-        self.replaced = count
-        return PassResult(gm, bool(count))
+        return GraphPassResult(gm, bool(count), {"replaced": count})
 
 
 def _replace(graph: fx.Graph, node: fx.Node, table: dict[Any, Any]) -> bool:
@@ -66,9 +65,7 @@ def _replace(graph: fx.Graph, node: fx.Node, table: dict[Any, Any]) -> bool:
                       tracing_mode="symbolic" if mode.shape_env is not None else "fake")(*vals)
     if any(n.op == "get_attr" for n in sub.graph.nodes):
         return False  # a decomposition that makes constants: leave the op to inductor's fallback
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    with graph.inserting_before(node):
-        out = graph.graph_copy(sub.graph, dict(zip(placeholders, inputs, strict=True)))
+    (out,), _ = graft(graph, sub, inputs, node, source=node)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     return True

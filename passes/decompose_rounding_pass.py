@@ -9,20 +9,14 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from dlspass.formats import (
-    FORMS,
-    ROUNDED_KEY,
-    FormatError,
-    is_round_node,
-    round_fn,
-    round_node_args,
-)
+from dlspass.formats import FORMS, FormatError, is_round_node, round_fn, round_node_args
+from dlspass.graph.roles import ROUNDED_KEY
 from dlspass.graph.splice import graft
+from dlspass.passes.base import GraphPass, GraphPassResult
 
 
-class DecomposeRoundingPass(PassBase):
+class DecomposeRoundingPass(GraphPass):
     """Swap the rounding custom op for traced aten ops (``form``: "bits" fuses in inductor,
     "arith" has no bit-casts, for ONNX).
 
@@ -30,18 +24,20 @@ class DecomposeRoundingPass(PassBase):
     carry valid ``meta["val"]``) under ``decompositions`` (inductor's table, for a graph that
     goes to ``compile_fx_inner`` as it is) and grafted where the op was. The last new node keeps
     the op's ``meta["custom"]`` plus ``dlspass_rounded`` (the rounding stays recognisable after
-    ``torch.export.save``); every new node gets the op's provenance. ``replaced`` counts the
-    ops replaced by the last call.
+    ``torch.export.save``; `rounded_format` reads it); every new node gets the op's provenance.
+    ``form="cast"`` is ``"bits"`` except that float16 and bfloat16 without switches become a cast
+    there and back (``formats.round_fn``). ``stats["replaced"]`` counts the ops replaced.
     """
+
+    name = "decompose_rounding"
 
     def __init__(self, form: str = "bits", decompositions: dict | None = None) -> None:
         if form not in FORMS:
-            raise FormatError(f"form: expected 'bits' or 'arith', got {form!r}")
+            raise FormatError(f"form: expected one of {', '.join(map(repr, FORMS))}, got {form!r}")
         self.form = form
         self.decompositions = decompositions
-        self.replaced = 0
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
+    def run(self, gm: fx.GraphModule) -> GraphPassResult:
         graph = gm.graph
         count = 0
         # one trace per (format, switches, shape, stride): big graphs round thousands of values
@@ -64,11 +60,7 @@ class DecomposeRoundingPass(PassBase):
             node.replace_all_uses_with(out)
             graph.erase_node(node)
             count += 1
-        self.replaced = count
-        if count:
-            graph.lint()
-            gm.recompile()
-        return PassResult(gm, bool(count))
+        return GraphPassResult(gm, bool(count), {"replaced": count})
 
     def _trace(self, x_node: Any, fmt: str, saturate: bool, ftz: bool,
                traced: dict[tuple, fx.GraphModule]) -> tuple[fx.GraphModule, bool]:
@@ -90,3 +82,11 @@ class DecomposeRoundingPass(PassBase):
             if not symbolic:
                 traced[key] = sub
         return sub, True
+
+
+def rounded_format(node: fx.Node) -> str | None:
+    """The format ``node`` rounds to: a ``dlspass::round_to_format`` node, or the last node of
+    one that `DecomposeRoundingPass` replaced; None for any other node."""
+    if is_round_node(node):
+        return round_node_args(node)[1]
+    return node.meta.get("custom", {}).get(ROUNDED_KEY)

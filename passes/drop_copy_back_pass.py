@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from dlspass.passes.base import PassContractError
+from dlspass.passes.base import GraphPass, GraphPassResult, PassContractError
 
 
-class DropCopyBackPass(PassBase):
+class DropCopyBackPass(GraphPass):
     """Make a traced step free of mutation: ``torch.func.functionalize`` leaves a trailing
     ``copy_(clone, new)`` for the buffers the capture clones inside the vjp (BatchNorm updates
     its running statistics in place); ``new`` itself is the value every later reader wants.
 
     A copy between values of different shape or dtype cannot be replaced by its source:
-    ``PassContractError`` names it.
+    ``PassContractError`` names it. ``stats["dropped"]``: the copies removed.
     """
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
+    name = "drop_copy_back"
+
+    def run(self, gm: fx.GraphModule) -> GraphPassResult:
         graph = gm.graph
         order = {n: i for i, n in enumerate(graph.nodes)}
-        modified = False
+        dropped = 0
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
                 continue
@@ -34,6 +35,6 @@ class DropCopyBackPass(PassBase):
                     user.replace_input_with(dst, src)
             node.replace_all_uses_with(src)
             graph.erase_node(node)
-            modified = True
-        graph.eliminate_dead_code()
-        return PassResult(gm, modified)
+            dropped += 1
+        dead = graph.eliminate_dead_code()
+        return GraphPassResult(gm, bool(dropped) or dead, {"dropped": dropped})

@@ -5,17 +5,21 @@ from __future__ import annotations
 import operator
 
 import torch.fx as fx
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from dlspass.passes.base import GraphPass, GraphPassResult
 
 
-class DropNoneGetitemsPass(PassBase):
+class DropNoneGetitemsPass(GraphPass):
     """``make_fx`` keeps ``convolution_backward(...)[0]`` for an input that needs no gradient
-    (the op returns None there); the ExportedProgram verifier refuses a node without a value."""
+    (the op returns None there); the ExportedProgram verifier refuses a node without a value.
+    ``stats["dropped"]``: the nodes erased."""
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
+    name = "drop_none_getitems"
+
+    def run(self, gm: fx.GraphModule) -> GraphPassResult:
         graph = gm.graph
         dropped = [n for n in graph.nodes if n.op == "call_function" and n.target is operator.getitem
                    and not n.users and n.meta.get("val") is None]
         for node in dropped:
             graph.erase_node(node)
-        return PassResult(gm, bool(dropped))
+        return GraphPassResult(gm, bool(dropped), {"dropped": len(dropped)})

@@ -17,8 +17,6 @@ from dlspass.passes.base import (
     set_outputs,
 )
 
-GUARDED = roles.GUARDED_UPDATES  # why buffers and scaler state are not guarded: see there
-
 
 class GuardUpdatesPass(FlagConsumerPass):
     """Select the old parameter / optimizer state on overflow, without cloning anything."""
@@ -28,15 +26,17 @@ class GuardUpdatesPass(FlagConsumerPass):
     def rewrite(self, gm: fx.GraphModule) -> bool:
         graph = gm.graph
         isfinite = global_node(graph, roles.ISFINITE)
-        olds_by_role = {r: placeholders_by_role(graph, r) for r in GUARDED.values()}
+        # roles.GUARDED_UPDATES says why buffers and scaler state are not guarded
+        olds_by_role = {r: placeholders_by_role(graph, r) for r in roles.GUARDED_UPDATES.values()}
         positions, news, olds, targets = [], [], [], []
         for i, role, target, value in outputs(graph):
-            if role not in GUARDED:
+            if role not in roles.GUARDED_UPDATES:
                 continue
-            old = olds_by_role[GUARDED[role]].get(target)
+            want = roles.GUARDED_UPDATES[role]
+            old = olds_by_role[want].get(target)
             if old is None:
                 raise PassContractError(f"guard_updates: output {i} ({role} {target!r}) has no "
-                                        f"matching {GUARDED[role]} placeholder")
+                                        f"matching {want} placeholder")
             if value is old:  # passed through unchanged: nothing to roll back
                 continue
             positions.append(i)
@@ -56,5 +56,6 @@ class GuardUpdatesPass(FlagConsumerPass):
         if no_check_reason(self.config) is not None:
             return
         for i, role, target, value in outputs(gm.graph):
-            if role in GUARDED and value.op != "placeholder" and roles.role_of(value) != roles.GUARD:
+            if (role in roles.GUARDED_UPDATES and value.op != "placeholder"
+                    and roles.role_of(value) != roles.GUARD):
                 raise PassContractError(f"guard_updates: output {i} ({target!r}) is not guarded")

@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from dlspass.debug.faults import FAULT, FAULT_STEP, PRE_FAULT_GRAD, Fault, FaultError
+from dlspass.errors import InputValueError
 from dlspass.graph import roles
-from dlspass.graph.splice import insert_op, port_provenance
+from dlspass.graph.roles import FAULT, FAULT_STEP, PRE_FAULT_GRAD
+from dlspass.graph.splice import insert_op
+from dlspass.passes.base import GraphPass, GraphPassResult
 
 
-class InjectFaultsPass(PassBase):
+class FaultSpec(Protocol):
+    """What the pass reads of a fault (``dlspass.debug.faults.Fault`` is one): the 0-based
+    ``step`` it fires at, its ``kind`` (``"grad"``, ``"activation"``, ``"loss"``), the
+    ``target`` it hits (a parameter or node name; None for the loss) and the ``value`` forced."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def target(self) -> str | None: ...
+    @property
+    def value(self) -> float: ...
+
+
+class InjectFaultsPass(GraphPass):
     """Make ``faults`` fire in a role-tagged step graph, at the step the new input names.
 
     The step-counter placeholder (0-d int64, role ``input``, target ``fault_step``) goes after
@@ -26,12 +43,13 @@ class InjectFaultsPass(PassBase):
     name. With ``move_roles`` (graphs the DLS passes run on next): the last ``where`` of a
     faulted gradient takes over its GRAD role (the original becomes ``pre_fault_grad``), so
     the overflow check sees the fault, and a graph that records the loss only as an output
-    gets its LOSS role on the returned value.
+    gets its LOSS role on the returned value. A fault naming nothing in the graph is an input
+    error (``dlspass.debug.faults.FaultError``). ``stats["faulted"]``: the nodes faulted.
     """
 
     name = "inject_faults"
 
-    def __init__(self, faults: Iterable[Fault], *, move_roles: bool = False,
+    def __init__(self, faults: Iterable[FaultSpec], *, move_roles: bool = False,
                  counter_device: torch.device | str | None = "cpu") -> None:
         self.faults = list(faults)
         self.move_roles = move_roles
@@ -39,46 +57,46 @@ class InjectFaultsPass(PassBase):
 
     def requires(self, gm: fx.GraphModule) -> None:
         if _counter(gm.graph) is not None:
-            raise FaultError("inject_faults: this graph already has faults injected")
+            raise InputValueError(f"{self.name}: this graph already has faults injected")
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
+    def run(self, gm: fx.GraphModule) -> GraphPassResult:
         graph = gm.graph
         if self.move_roles and any(f.kind == "loss" for f in self.faults):
             _tag_returned_loss(graph)
-        by_node: dict[fx.Node, list[Fault]] = {}
+        by_node: dict[fx.Node, list[FaultSpec]] = {}
         for f in self.faults:  # every target is looked up before the graph changes
             for node in _fault_nodes(graph, f):
                 by_node.setdefault(node, []).append(f)
         counter = self._add_counter(graph)
-        fake = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
+        # a graph without fake values (e.g. symbolic_trace) gets none on the new nodes either;
+        # each faulted value keeps its value meta
+        fake = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")]) is not None
         for node, fs in by_node.items():
             users = list(node.users)
             cur = node
             for f in sorted(fs, key=lambda f: f.step):
                 target = f.target or "loss"
-                if fake is not None:
-                    eq = insert_op(graph, torch.ops.aten.eq.Scalar, (counter, f.step),
-                                   before=cur.next, role=FAULT, by_pass=self.name,
-                                   target_name=target, source=node)
-                    cur = insert_op(graph, torch.ops.aten.where.ScalarSelf, (eq, f.value, cur),
-                                    before=eq.next, role=FAULT, by_pass=self.name,
-                                    target_name=target, source=node)
-                else:
-                    cur = self._insert_unfaked(graph, counter, node, cur, f)
+                eq = insert_op(graph, torch.ops.aten.eq.Scalar, (counter, f.step),
+                               before=cur.next, role=FAULT, by_pass=self.name,
+                               target_name=target, source=node, fake=fake)
+                cur = insert_op(graph, torch.ops.aten.where.ScalarSelf, (eq, f.value, cur),
+                                before=eq.next, role=FAULT, by_pass=self.name,
+                                target_name=target, source=node, fake=fake)
+                if not fake:
+                    cur.meta["val"] = node.meta.get("val")
             for u in users:
                 u.replace_input_with(node, cur)
             if self.move_roles and any(f.kind == "grad" for f in fs):
                 grad = roles.target_of(node)
                 roles.set_role(node, PRE_FAULT_GRAD, grad)
                 roles.set_role(cur, roles.GRAD, grad)
-        graph.lint()
-        gm.recompile()
-        return PassResult(gm, True)
+        return GraphPassResult(gm, True, {"faulted": len(by_node)})
 
     def _add_counter(self, graph: fx.Graph) -> fx.Node:
-        vals = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
-        last_ph = list(graph.find_nodes(op="placeholder"))[-1]
-        with graph.inserting_after(last_ph):
+        placeholders = graph.find_nodes(op="placeholder")
+        vals = [n.meta.get("val") for n in placeholders]
+        # a new graph input: splice inserts computed nodes only
+        with graph.inserting_after(placeholders[-1]):
             counter = graph.placeholder(FAULT_STEP)
         roles.set_role(counter, roles.INPUT, FAULT_STEP)
         device = self.counter_device or next(
@@ -88,26 +106,13 @@ class InjectFaultsPass(PassBase):
         counter.meta["val"] = fake_mode.from_tensor(zero) if fake_mode is not None else zero
         return counter
 
-    def _insert_unfaked(self, graph: fx.Graph, counter: fx.Node, node: fx.Node, cur: fx.Node,
-                        f: Fault) -> fx.Node:
-        # a graph without fake values (e.g. symbolic_trace): the where keeps x's value meta
-        with graph.inserting_after(cur):
-            eq = graph.call_function(torch.ops.aten.eq.Scalar, (counter, f.step))
-        with graph.inserting_after(eq):
-            new = graph.call_function(torch.ops.aten.where.ScalarSelf, (eq, f.value, cur))
-        for n in (eq, new):
-            roles.set_role(n, FAULT, f.target or "loss", by_pass=self.name)
-        new.meta["val"] = node.meta.get("val")
-        port_provenance(node, [eq, new])
-        return new
-
 
 def _counter(graph: fx.Graph) -> fx.Node | None:
     return next((n for n in graph.find_nodes(op="placeholder")
                  if roles.role_of(n) == roles.INPUT and roles.target_of(n) == FAULT_STEP), None)
 
 
-def _fault_nodes(graph: fx.Graph, fault: Fault) -> list[fx.Node]:
+def _fault_nodes(graph: fx.Graph, fault: FaultSpec) -> list[fx.Node]:
     if fault.kind == "loss":
         # the seed drives the backward; the loss node only makes the returned loss show it
         return [roles.the_node(graph, roles.SEED), roles.the_node(graph, roles.LOSS)]
@@ -116,13 +121,13 @@ def _fault_nodes(graph: fx.Graph, fault: Fault) -> list[fx.Node]:
                  if roles.target_of(n) == fault.target]
         if len(found) != 1:
             names = sorted(str(roles.target_of(n)) for n in roles.nodes_with_role(graph, roles.GRAD))
-            raise FaultError(f"grad fault: the graph has no gradient of {fault.target!r} "
-                             f"(gradients: {', '.join(names)})")
+            raise InputValueError(f"grad fault: the graph has no gradient of {fault.target!r} "
+                                  f"(gradients: {', '.join(names)})")
         return found
     for n in graph.nodes:
         if n.name == fault.target and n.op == "call_function":
             return [n]
-    raise FaultError(f"activation fault: the graph has no computed node named {fault.target!r}")
+    raise InputValueError(f"activation fault: the graph has no computed node named {fault.target!r}")
 
 
 def _tag_returned_loss(graph: fx.Graph) -> None:
@@ -132,5 +137,5 @@ def _tag_returned_loss(graph: fx.Graph) -> None:
         return
     _, loss = roles.output_value(graph, roles.LOSS)
     if loss.op != "call_function" or roles.role_of(loss) is not None:
-        raise FaultError("loss fault: the step's returned loss is not a computed node")
+        raise InputValueError("loss fault: the step's returned loss is not a computed node")
     roles.set_role(loss, roles.LOSS)

@@ -2,30 +2,48 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import cast
+
 import torch.fx as fx
 from torch import Tensor
 from torch._guards import detect_fake_mode
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from dlspass.graph import roles
-from dlspass.graph.splice import _first_non_placeholder
 from dlspass.graph.step_io import safe_name
-from dlspass.passes.base import PassContractError
+from dlspass.passes.base import GraphPass, GraphPassResult, PassContractError
 
 
-class LiftConstantsPass(PassBase):
+class LiftedConstants(GraphPassResult):
+    """What `LiftConstantsPass` returns: the pass result plus ``constants``, each new
+    placeholder's name mapped to a copy of its value (``stats["constants"]`` counts them)."""
+
+    constants: dict[str, Tensor]
+
+    def __new__(cls, graph_module: fx.GraphModule, constants: Mapping[str, Tensor]) -> LiftedConstants:
+        self = super().__new__(cls, graph_module, bool(constants), {"constants": len(constants)})
+        self.constants = dict(constants)
+        return self
+
+
+class LiftConstantsPass(GraphPass):
     """Make the constants the passes created graph inputs, as an ``ExportedProgram`` declares
-    them (CONSTANT_TENSOR inputs); ``constants`` maps each new placeholder's name to a copy of
-    its value. A ``get_attr`` of anything but a tensor cannot be lifted: ``PassContractError``.
+    them (CONSTANT_TENSOR inputs). A ``get_attr`` of anything but a tensor cannot be lifted:
+    ``PassContractError``. Calling it returns `LiftedConstants`.
     """
 
-    def __init__(self) -> None:
-        self.constants: dict[str, Tensor] = {}
+    name = "lift_constants"
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
+    def __call__(self, graph_module: fx.GraphModule) -> LiftedConstants:
+        return cast(LiftedConstants, super().__call__(graph_module))
+
+    def run(self, gm: fx.GraphModule) -> LiftedConstants:
         graph = gm.graph
-        first_input = next((n for n in graph.find_nodes(op="placeholder")
-                            if roles.role_of(n) == roles.INPUT), None)
+        placeholders = graph.find_nodes(op="placeholder")
+        first_input = next((n for n in placeholders if roles.role_of(n) == roles.INPUT), None)
+        # after the parameters and state, or at the end of the inputs when there is no batch
+        anchor = first_input if first_input is not None else _after_placeholders(graph)
+        constants: dict[str, Tensor] = {}
         for node in list(graph.nodes):
             if node.op != "get_attr":
                 continue
@@ -33,7 +51,7 @@ class LiftConstantsPass(PassBase):
             if not isinstance(value, Tensor):
                 raise PassContractError(f"cannot package get_attr {node.target!r} of type "
                                         f"{type(value).__name__}")
-            anchor = first_input if first_input is not None else _first_non_placeholder(graph)
+            # a new graph input: splice inserts computed nodes only
             with graph.inserting_before(anchor):
                 ph = graph.placeholder(f"c_{safe_name(node.target)}")
             ph.meta.update(node.meta)
@@ -43,5 +61,9 @@ class LiftConstantsPass(PassBase):
                 ph.meta["val"] = mode.from_tensor(value) if mode is not None else value
             node.replace_all_uses_with(ph)
             graph.erase_node(node)
-            self.constants[ph.name] = value.detach().clone()
-        return PassResult(gm, bool(self.constants))
+            constants[ph.name] = value.detach().clone()
+        return LiftedConstants(gm, constants)
+
+
+def _after_placeholders(graph: fx.Graph) -> fx.Node:
+    return next(n for n in graph.nodes if n.op != "placeholder")

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import torch.fx as fx
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from dlspass.passes.base import PassContractError
+from dlspass.passes.base import GraphPass, GraphPassResult, PassContractError
 
 
-class MergePlaceholdersPass(PassBase):
+class MergePlaceholdersPass(GraphPass):
     """Merge graph inputs that hold one tensor: ``merge`` maps a placeholder's name to the
     name of the placeholder that replaces it (tied parameters of an exported program, which
-    torch.export lists once per name, become one input with every use)."""
+    torch.export lists once per name, become one input with every use). ``stats["merged"]``:
+    the placeholders removed."""
+
+    name = "merge_placeholders"
 
     def __init__(self, merge: dict[str, str]) -> None:
         self.merge = dict(merge)
 
-    def call(self, gm: fx.GraphModule) -> PassResult:
+    def run(self, gm: fx.GraphModule) -> GraphPassResult:
         graph = gm.graph
         placeholders = {n.name: n for n in graph.find_nodes(op="placeholder")}
         missing = sorted({*self.merge, *self.merge.values()} - set(placeholders))
@@ -26,6 +28,4 @@ class MergePlaceholdersPass(PassBase):
             node = placeholders[name]
             node.replace_all_uses_with(placeholders[keep])
             graph.erase_node(node)
-        graph.lint()
-        gm.recompile()
-        return PassResult(gm, bool(self.merge))
+        return GraphPassResult(gm, bool(self.merge), {"merged": len(self.merge)})

@@ -6,15 +6,14 @@ import dataclasses
 
 import torch
 import torch.fx as fx
-from torch import Tensor
 from torch._guards import detect_fake_mode
 
 from dlspass import scale_policy
 from dlspass.config import ConfigError, DLSConfig
 from dlspass.graph import roles
+from dlspass.graph.roles import GLOBAL
 from dlspass.graph.splice import insert_op, splice
-from dlspass.passes.base import GLOBAL, DLSPass, PassContractError
-from dlspass.passes.lower_precision_pass import _is_f32
+from dlspass.passes.base import DLSPass, PassContractError, is_float
 
 # inductor takes the backward's inputs up to the first "tangents" name as saved activations
 # (static inputs); the scale changes every step, like a tangent, so its name says "tangents"
@@ -46,10 +45,11 @@ class ScaleBackwardPass(DLSPass):
     def rewrite(self, gm: fx.GraphModule) -> bool:
         graph = gm.graph
         placeholders = graph.find_nodes(op="placeholder")
-        tangents = [n for n in placeholders if n.name.startswith("tangents") and _is_float(n)]
+        tangents = [n for n in placeholders if n.name.startswith("tangents") and is_float(n)]
         if not tangents:
             raise ConfigError("dlspass backend: the backward graph has no floating-point tangent to "
                               "scale (the compiled model returns no differentiable output)")
+        # a new graph input: splice inserts computed nodes only
         with graph.inserting_after(placeholders[-1]):
             scale = graph.placeholder(SCALE_INPUT)
         mode = detect_fake_mode([t.meta["val"] for t in tangents])
@@ -65,7 +65,7 @@ class ScaleBackwardPass(DLSPass):
 
         # read after the tangents moved: a gradient that is a tangent is now its scaled value
         vals = roles.output_values(graph)
-        idx = [i for i, v in enumerate(vals) if _is_f32(v)]
+        idx = [i for i, v in enumerate(vals) if is_float(v, torch.float32)]
         out = graph.output_node()
         unscaled = splice(graph, lambda s, *gs: scale_policy.unscale(gs, s),
                           [scale, *(vals[i] for i in idx)], role=roles.UNSCALE, by_pass=self.name,
@@ -76,9 +76,8 @@ class ScaleBackwardPass(DLSPass):
                              output_roles=[(roles.ISFINITE, GLOBAL)])
         for i, u in zip(idx, unscaled, strict=True):
             vals[i] = u
+        # one output more (the flag): a change of the output node, which splice does not make
         out.args = ((*vals, isfinite),)
-        graph.lint()
-        gm.recompile()
         return True
 
     def ensures(self, gm: fx.GraphModule) -> None:
@@ -87,12 +86,7 @@ class ScaleBackwardPass(DLSPass):
         if not vals or roles.role_of(vals[-1]) != roles.ISFINITE:
             raise PassContractError(f"{self.name}: the last output is not the overflow flag")
         for node in graph.find_nodes(op="placeholder"):
-            if node.name.startswith("tangents") and _is_float(node):
+            if node.name.startswith("tangents") and is_float(node):
                 bad = [u.name for u in node.users if roles.role_of(u) != roles.SCALED_SEED]
                 if bad:
                     raise PassContractError(f"{self.name}: {node.name} is still read unscaled by {bad}")
-
-
-def _is_float(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, Tensor) and val.is_floating_point()

@@ -7,9 +7,9 @@ import torch.fx as fx
 from dlspass import scale_policy
 from dlspass.config import DLSConfig
 from dlspass.graph import roles
+from dlspass.graph.roles import GLOBAL
 from dlspass.graph.splice import splice
 from dlspass.passes.base import (
-    GLOBAL,
     DLSPass,
     PassContractError,
     backward_nodes,

@@ -19,8 +19,9 @@ from torch._dynamo.utils import counters
 
 import dlspass
 from dlspass.capture.compiled_step import CompileError
-from dlspass.debug.faults import FAULT_STEP, PRE_FAULT_GRAD, Fault, FaultError, install_faults
+from dlspass.debug.faults import Fault, FaultError, install_faults
 from dlspass.graph import roles
+from dlspass.graph.roles import FAULT_STEP, PRE_FAULT_GRAD
 from dlspass.models import MLP, mse_train_step
 
 STEPS = 12

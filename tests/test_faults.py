@@ -15,7 +15,6 @@ import torch
 
 import dlspass
 from dlspass.debug.faults import (
-    FAULT,
     EagerFaultInjector,
     Fault,
     FaultError,
@@ -25,6 +24,7 @@ from dlspass.debug.faults import (
     parse_fault,
     random_faults,
 )
+from dlspass.graph.roles import FAULT
 from dlspass.models import MLP, mse_loss
 
 STEPS = 1000

@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 
 from dlspass.cli import run
 from dlspass.config import ConfigError, DLSConfig
-from dlspass.modelzoo import config_from_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = int(os.environ.get("DLSPASS_FUZZ_EXAMPLES", "300"))
@@ -244,7 +243,7 @@ def test_fuzz_yaml_loader(tmp_path_factory, case: tuple) -> None:
     p.write_bytes(yaml_bytes(case))
     t0 = time.monotonic()
     try:
-        cfg = config_from_yaml(p)
+        cfg = DLSConfig.from_yaml(p)
     except ConfigError as e:
         msg = str(e)
         assert msg and "\n" not in msg and "Traceback" not in msg

@@ -1,28 +1,156 @@
-"""The layout's rules, checked on the source tree: every FX rewrite is a pass in ``passes/``
-(one ``VerbNounPass`` per file, a one-line docstring of its rewrite, one test file), graph
-mutation happens only in ``passes/`` and ``dlspass/graph/``, no test reaches a helper through
+"""The layout's rules, checked on the source tree: imports run downwards through the layers
+below and form no cycle, every FX rewrite is a pass in ``passes/`` (one ``VerbNounPass`` per
+file, a one-line docstring of its rewrite, one test file, named by its module), graph mutation
+happens only in ``passes/`` and ``dlspass/graph/``, no test reaches a helper through
 ``sys.path.insert``, and no module is named like a public verb."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
+import networkx as nx
 import pytest
+from torch.fx.passes.infra.pass_base import PassBase
 
 import dlspass
 
 ROOT = Path(__file__).resolve().parents[1]
 PASS_FILES = sorted((ROOT / "passes").glob("*_pass.py"))
-# calls that change an FX graph (reading `node.op == "call_function"` is not one)
+# calls and assignments that change an FX graph (reading `node.op == "call_function"` is not one)
 MUTATION = re.compile(r"\.(create_node|call_function|call_method|call_module|get_attr|placeholder"
-                      r"|inserting_before|inserting_after|replace_all_uses_with|replace_input_with"
-                      r"|erase_node|graph_copy|node_copy)\(")
+                      r"|output|inserting_before|inserting_after|replace_all_uses_with"
+                      r"|replace_input_with|erase_node|graph_copy|node_copy)\("
+                      r"|\.(args|kwargs|target)\s*=(?!=)")
+
+# The layers, lowest first: a module imports only from layers below its own, or from its own
+# layer without a cycle (imports inside functions count; ``if TYPE_CHECKING:`` ones do not, as
+# they never run). A module is in the layer of its longest listed prefix. ``passes/`` is
+# shipped as ``dlspass.passes``; ``from dlspass import scale_policy`` imports that submodule,
+# not the facade.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("errors", ("dlspass.errors",)),
+    ("files", ("dlspass.files",)),  # untrusted-file readers
+    ("presets", ("dlspass.presets", "dlspass.modelzoo")),
+    ("config", ("dlspass.config",)),
+    ("numerics", ("dlspass.formats", "dlspass.scale_policy", "dlspass.precision_policy")),
+    ("models", ("dlspass.models",)),  # the toy models: nothing of dlspass above numerics
+    ("runtime", ("dlspass.scaler", "dlspass.distributed", "dlspass.checkpoint")),
+    ("graph", ("dlspass.graph",)),
+    ("passes", ("dlspass.passes",)),
+    ("capture", ("dlspass.capture",)),
+    ("onnx", ("dlspass.onnx",)),
+    ("debug", ("dlspass.debug",)),
+    ("cli", ("dlspass.cli",)),
+    ("facade", ("dlspass", "dlspass.__main__")),
+]
 
 
-def test_there_are_passes() -> None:
-    assert len(PASS_FILES) >= 6
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in [*(ROOT / "dlspass").rglob("*.py"), *(ROOT / "passes").rglob("*.py")]:
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = ["dlspass", *rel.parts] if rel.parts[0] == "passes" else list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int | None:
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (
+                    best is None or len(prefix) > len(best[1])):
+                best = (i, prefix)
+    return None if best is None else best[0]
+
+
+def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    skip: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                skip |= set(ast.walk(sub))
+    return skip
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """The package modules ``module`` imports, at any depth of its code."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_only(tree)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if node in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            src = "dlspass." + src if src == "passes" or src.startswith("passes.") else src
+            # `from pkg import submodule` imports the submodule; `from mod import name`, the module
+            names = [f"{src}.{a.name}" if f"{src}.{a.name}" in MODULES else src for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n in MODULES and n != module}
+    return out
+
+
+IMPORTS = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def test_every_module_is_in_a_layer() -> None:
+    assert len(MODULES) > 40 and "dlspass.passes.base" in MODULES  # the walk reaches the tree
+    assert sorted(m for m in MODULES if _layer(m) is None) == []
+
+
+def test_imports_form_no_cycle() -> None:
+    graph = nx.DiGraph((a, b) for a, bs in IMPORTS.items() for b in bs)
+    cycles = sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
+    assert cycles == []
+
+
+def test_imports_run_downwards() -> None:
+    names = [name for name, _ in LAYERS]
+    upward = [f"{a} ({names[_layer(a)]}) imports {b} ({names[_layer(b)]})"
+              for a, bs in sorted(IMPORTS.items()) for b in sorted(bs)
+              if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a)]
+    assert upward == []
+
+
+def test_the_layer_check_sees_function_level_and_submodule_imports() -> None:
+    # what the two checks above rely on, on imports the tree has today
+    assert "dlspass.graph.invariants" in IMPORTS["dlspass.passes"]  # inside apply_dls
+    assert "dlspass.scale_policy" in IMPORTS["dlspass.passes.update_scale_pass"]
+    assert "dlspass" not in IMPORTS["dlspass.passes.update_scale_pass"]
+
+
+def test_every_pass_is_a_graph_pass_named_by_its_module() -> None:
+    """A pass's ``name`` is its id in logs, skip reasons and provenance (``dlspass_pass``)."""
+    from dlspass.passes import PASSES
+    from dlspass.passes.base import GraphPass
+
+    names = {}
+    for path in PASS_FILES:
+        cls = getattr(importlib.import_module(f"dlspass.passes.{path.stem}"), _class_name(path))
+        if not issubclass(cls, PassBase):  # the ONNX rewrites are onnx_ir passes
+            assert path.stem.endswith("_onnx_pass"), f"{path.name}: not an FX pass"
+            continue
+        assert issubclass(cls, GraphPass), f"{cls.__name__} is not a GraphPass"
+        names[path.stem.removesuffix("_pass")] = cls.name
+    assert set(PASSES) <= set(names)  # the pipeline's passes are among them
+    assert {stem: name for stem, name in names.items() if stem != name} == {}
 
 
 @pytest.mark.parametrize("path", PASS_FILES, ids=lambda p: p.stem)

@@ -10,8 +10,10 @@ import pytest
 import yaml
 
 from dlspass.config import ConfigError, DLSConfig
-from dlspass.modelzoo import config_from_params, config_from_yaml
 
+# the two entry points (dlspass.modelzoo returns DLSConfig arguments below them)
+config_from_params = DLSConfig.from_dict
+config_from_yaml = DLSConfig.from_yaml
 DATA = Path(__file__).parent / "data"
 
 

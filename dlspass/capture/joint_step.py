@@ -233,12 +233,10 @@ def package_step(gm: fx.GraphModule, info: StepInfo) -> tuple[torch.export.Expor
 
     gm = copy.deepcopy(gm)
     graph = gm.graph
-    lift = LiftConstantsPass()
     try:
-        lift(gm)
+        consts = LiftConstantsPass()(gm).constants
     except PassContractError as e:  # a constant the user's program made that is no tensor
         raise InputValueError(str(e)) from None
-    consts = lift.constants
     placeholders = graph.find_nodes(op="placeholder")
     values = {roles.PARAM: info.params, roles.BUFFER: info.buffers, roles.OPT_STATE: info.opt_state,
               roles.SCALER_STATE: info.scaler, roles.HYPER: info.hyper}
@@ -323,9 +321,9 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
     gm, info = joint_to_step_graph(ep, optimizer, config, source)
     gm = apply_dls(gm, config, precision_mode=precision_mode)
     if rounding == "aten":
-        from dlspass.formats import decompose_rounding
+        from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 
-        decompose_rounding(gm, form="bits")
+        DecomposeRoundingPass("bits")(gm)
     out, roles_meta = package_step(gm, info)
     full = {"format": "dlspass-step", "version": FORMAT_VERSION, "kind": "step", **wanted,
             **roles_meta, "inputs": info.inputs,

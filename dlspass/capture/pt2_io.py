@@ -22,6 +22,7 @@ from dlspass.files.file_meta import META_FILE, check_pt2_meta
 from dlspass.files.paths import check_input_file
 from dlspass.files.pt2_archive import check_pt2_archive, save_pt2
 from dlspass.files.quiet import quiet_torch
+from dlspass.graph import roles
 
 
 def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[str, Any] | None]:
@@ -48,7 +49,8 @@ def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[s
             meta = json.loads(raw)
         except json.JSONDecodeError:
             raise InputValueError(f"{p}: its {META_FILE} is not valid JSON") from None
-    check_pt2_meta(meta, str(p), len(ep.graph_signature.output_specs))  # shape of dlspass.json
+    check_pt2_meta(meta, str(p), len(ep.graph_signature.output_specs),  # shape of dlspass.json
+                   check_config=roles.config_from_record)
     return ep, meta
 
 

@@ -43,18 +43,16 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from dlspass.errors import DLSInputError
+from dlspass.errors import InputValueError
 from dlspass.graph import roles
+from dlspass.graph.roles import FAULT_STEP
 
-FAULT = "fault"  # role of the nodes InjectFaultsPass inserts
-FAULT_STEP = "fault_step"  # target of the step-counter placeholder
-PRE_FAULT_GRAD = "pre_fault_grad"  # role of a gradient as backward made it, before its fault
 KINDS = ("grad", "activation", "loss")
 VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
-class FaultError(DLSInputError, ValueError):
-    """A fault names something that does not exist or is not a fault (the message says which)."""
+# a fault names something that does not exist or is not a fault (the message says which)
+FaultError = InputValueError
 
 
 @dataclass(frozen=True)

@@ -103,14 +103,14 @@ def _op_name(node: Any) -> str:
 def _converts(node: Any) -> bool:
     import torch
 
-    from dlspass.formats import rounded_format
+    from dlspass.passes.decompose_rounding_pass import rounded_format
 
     return rounded_format(node) is not None or node.target in (
         torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
 def _cast_key(node: Any) -> str:
-    from dlspass.formats import rounded_format
+    from dlspass.passes.decompose_rounding_pass import rounded_format
 
     fmt = rounded_format(node)
     if fmt is not None:

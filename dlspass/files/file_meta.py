@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dlspass.errors import DLSInputError
+from dlspass.errors import InputValueError
 from dlspass.files.bounded_text import excerpt
 
 META_FILE = "dlspass.json"
@@ -22,9 +22,8 @@ META_FILE = "dlspass.json"
 FORMAT_VERSION = 1
 """The ``"version"`` of the ``dlspass.json`` that dlspass writes."""
 
-
-class MetadataError(DLSInputError, ValueError):
-    """A file's dlspass metadata does not have the shape dlspass writes."""
+# a file's dlspass metadata does not have the shape dlspass writes
+MetadataError = InputValueError
 
 
 def _is_str(v: Any) -> bool:
@@ -105,30 +104,36 @@ _ONNX_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _check_keys(meta: Any, keys: dict[str, tuple[Callable[[Any], bool], str]], where: str) -> None:
+ConfigCheck = Callable[[dict[str, Any]], object]
+"""How a caller reads a file's recorded config (``dlspass.graph.roles.config_from_record``); it
+raises on a config dlspass would refuse. Passed in: this module sits below the config."""
+
+
+def _check_keys(meta: Any, keys: dict[str, tuple[Callable[[Any], bool], str]], where: str,
+                check_config: ConfigCheck | None) -> None:
     if not isinstance(meta, dict):
         raise MetadataError(f"{where}: expected a JSON object, got {excerpt(meta)}")
     for key, (check, want) in keys.items():
         if key in meta and not check(meta[key]):
             raise MetadataError(f"{where}: {key!r} must be {want}, got {excerpt(meta[key])}")
     cfg = meta.get("config")
-    if cfg is not None:
-        from dlspass.config import DLSConfig
-
+    if cfg is not None and check_config is not None:
         try:
-            DLSConfig(**cfg)  # what the passes' recorded_config does with it
+            check_config(cfg)
         except Exception as e:
             raise MetadataError(f"{where}: 'config' is not a dlspass config ({type(e).__name__}: "
                                 f"{excerpt(str(e), 120)})") from None
 
 
-def check_pt2_meta(meta: Any, where: str, n_outputs: int | None = None) -> None:
+def check_pt2_meta(meta: Any, where: str, n_outputs: int | None = None, *,
+                   check_config: ConfigCheck | None = None) -> None:
     """Raise ``MetadataError`` unless ``meta`` (a ``.pt2``'s parsed ``dlspass.json``, or None)
-    has the shape dlspass writes; a step's ``output_roles`` must cover ``n_outputs`` outputs."""
+    has the shape dlspass writes; a step's ``output_roles`` must cover ``n_outputs`` outputs,
+    and its ``config`` must pass ``check_config`` (not checked without one)."""
     if meta is None:
         return
     where = f"{where}: {META_FILE}"
-    _check_keys(meta, _PT2_KEYS, where)
+    _check_keys(meta, _PT2_KEYS, where, check_config)
     if not str(meta.get("format", "")).startswith("dlspass-"):
         raise MetadataError(f"{where}: no 'format' of a dlspass file (dlspass-joint or dlspass-step)")
     if meta.get("kind") == "step":
@@ -140,10 +145,13 @@ def check_pt2_meta(meta: Any, where: str, n_outputs: int | None = None) -> None:
                                 f"outputs, the program has {n_outputs}")
 
 
-def check_onnx_meta(props: Mapping[str, str], where: str) -> None:
+def check_onnx_meta(props: Mapping[str, str], where: str, *,
+                    check_config: ConfigCheck | None = None) -> None:
     """Raise ``MetadataError`` unless the ``dlspass.json`` and ``dlspass_roles`` entries of an
-    ONNX model's ``metadata_props`` (when present) are JSON of the shape dlspass writes."""
-    for key, check in ((META_FILE, lambda v: _check_keys(v, _ONNX_KEYS, f"{where}: {META_FILE}")),
+    ONNX model's ``metadata_props`` (when present) are JSON of the shape dlspass writes (the
+    ``config`` checked by ``check_config``, as in `check_pt2_meta`)."""
+    for key, check in ((META_FILE, lambda v: _check_keys(v, _ONNX_KEYS, f"{where}: {META_FILE}",
+                                                         check_config)),
                        ("dlspass_roles", lambda v: _check_roles(v, f"{where}: dlspass_roles"))):
         raw = props.get(key)
         if not raw:

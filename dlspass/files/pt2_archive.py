@@ -37,7 +37,7 @@ import zipfile
 from pathlib import Path
 from typing import IO, Any
 
-from dlspass.errors import DLSInputError
+from dlspass.errors import InputValueError
 from dlspass.files.bounded_text import excerpt
 
 MAX_JSON_BYTES = 128 * 2**20
@@ -123,8 +123,8 @@ def save_pt2(ep: Any, path: str | Path, extra_files: dict[str, str] | None = Non
         torch.export.save(ep, f, extra_files=extra_files)
 
 
-class UnsafeArchiveError(DLSInputError, ValueError):
-    """A ``.pt2`` archive that torch would unpickle, evaluate or inflate without bound."""
+# a ``.pt2`` archive that torch would unpickle, evaluate or inflate without bound
+UnsafeArchiveError = InputValueError
 
 
 def check_pt2_archive(path: str | Path) -> None:

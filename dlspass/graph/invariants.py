@@ -1,4 +1,5 @@
-"""Prove a rewritten step graph's DLS invariants with DAG reachability (networkx), not path lists.
+"""Check a step graph's contract between passes (`check`) and prove a rewritten step graph's DLS
+invariants with DAG reachability (networkx), not path lists (`verify`).
 
 For a graph with dynamic loss scaling:
 
@@ -17,17 +18,12 @@ A static scale checks the first three; a graph without scaling only gets linted.
 
 from __future__ import annotations
 
-import json
-
 import networkx as nx
 import torch
 import torch.fx as fx
 
-from dlspass.config import DLSConfig
-from dlspass.errors import DLSInternalError
+from dlspass.errors import DLSInternalError, GraphContractError
 from dlspass.graph import roles
-
-GUARDED = roles.GUARDED_UPDATES
 
 
 class VerificationError(DLSInternalError):
@@ -38,15 +34,30 @@ class VerificationError(DLSInternalError):
     """
 
 
+def check(gm: fx.GraphModule | fx.Graph) -> None:
+    """The contract every pass takes and leaves (``GraphContractError`` naming what is wrong):
+    the graph lints, has exactly one backward seed, records one role per output, and every
+    placeholder and computed node that something reads has a fake value (``meta["val"]``)."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    graph.lint()
+    if len(roles.nodes_with_role(graph, roles.SEED)) != 1:
+        raise GraphContractError("the graph needs exactly one backward_seed node")
+    out_roles = roles.output_roles(graph)
+    if not out_roles:
+        raise GraphContractError("the output node records no output roles (dlspass_outputs)")
+    if len(out_roles) != len(roles.output_values(graph)):
+        raise GraphContractError(f"{len(out_roles)} output roles for "
+                                 f"{len(roles.output_values(graph))} outputs")
+    for node in graph.nodes:
+        if node.op in ("placeholder", "call_function") and "val" not in node.meta and node.users:
+            raise GraphContractError(f"node {node.name!r} has no fake value (meta['val'])")
+
+
 def _config_of(graph: fx.Graph) -> tuple[bool, bool]:
     """``(enabled, dynamic)`` from the recorded config, else from the nodes present."""
-    raw = roles.recorded(graph, roles.CONFIG_KEY)
-    if raw is not None:
-        data = json.loads(raw)
-        if data is None:
-            return False, False
-        cfg = DLSConfig(**data)
-        return cfg.enabled, cfg.dynamic
+    if roles.recorded(graph, roles.CONFIG_KEY) is not None:
+        cfg = roles.recorded_config(graph)
+        return (False, False) if cfg is None else (cfg.enabled, cfg.dynamic)
     enabled = bool(roles.nodes_with_role(graph, roles.SCALED_SEED))
     dynamic = enabled and bool(roles.nodes_with_role(graph, roles.GUARD))
     return enabled, dynamic
@@ -79,7 +90,7 @@ def verify(gm: fx.GraphModule | fx.Graph) -> bool:
     vals = roles.output_values(graph)
     out_roles = roles.output_roles(graph)
     for i, (role, target) in enumerate(out_roles):
-        if role not in GUARDED:
+        if role not in roles.GUARDED_UPDATES:
             continue
         v = vals[i]
         if v in lo and not lo[v] == hi[v] == 1:
@@ -152,7 +163,7 @@ def _count_message(dag: nx.DiGraph, lo: dict, hi: dict, v: fx.Node, i: int, targ
 
 def _check_guard(graph: fx.Graph, v: fx.Node, i: int, role: str, target: str | None,
                  lo: dict) -> None:
-    want = GUARDED[role]
+    want = roles.GUARDED_UPDATES[role]
     if v.op == "placeholder" and roles.role_of(v) == want and roles.target_of(v) == target:
         return  # passed through unchanged
     if (roles.role_of(v) != roles.GUARD or v.op != "call_function"

@@ -21,12 +21,14 @@ backward produced it, carries GRAD with the parameter's name as target.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from dlspass.config import DLSConfig
 from dlspass.errors import GraphContractError
 
 ROLE_KEY = "dlspass_role"
@@ -60,6 +62,21 @@ ISFINITE = "isfinite"
 CLIP = "clip"
 GUARD = "guard"
 SCALE_UPDATE = "scale_update"
+# the all-reduce passes (data parallelism): a rank's own gradient before the in-graph all-reduce,
+# the nodes of the two reductions, and their ``dlspass_pass`` (PASS_NAME)
+LOCAL_GRAD = "local_grad"
+GRAD_ALLREDUCE = "grad_allreduce"
+FLAG_ALLREDUCE = "flag_allreduce"
+PASS_NAME = "distributed"
+# fault injection: the nodes InjectFaultsPass inserts, and a gradient as backward made it
+# (before its fault) once the faulted value has taken over the GRAD role
+FAULT = "fault"
+PRE_FAULT_GRAD = "pre_fault_grad"
+
+# targets (``dlspass_target``) with a fixed meaning
+GLOBAL = "global"  # the one overflow flag and the one gradient norm of a step
+LOCAL = "local"  # the rank-local overflow flag, once the all-reduced one is GLOBAL
+FAULT_STEP = "fault_step"  # the step-counter placeholder InjectFaultsPass adds
 
 PLACEHOLDER_ROLES = (PARAM, BUFFER, OPT_STATE, SCALER_STATE, HYPER, INPUT)
 OUTPUT_ROLES = (PARAM_UPDATE, BUFFER_UPDATE, OPT_STATE_UPDATE, SCALER_STATE_UPDATE, LOSS)
@@ -75,11 +92,15 @@ GUARDED_UPDATES = {PARAM_UPDATE: PARAM, OPT_STATE_UPDATE: OPT_STATE}
 # torch.export) ``apply_dls`` records its config, precision mode and applied passes; ONNX
 # models carry the roles of their values as JSON in ``metadata_props[ONNX_ROLES_KEY]``.
 # They are JSON strings or lists of names, which .pt2 files keep.
+OUTPUTS_KEY = "dlspass_outputs"  # [role, target] per output position, on the output node
 CONFIG_KEY = "dlspass_config"
 MODE_KEY = "dlspass_precision_mode"
 APPLIED_KEY = "dlspass_applied"
 SKIPPED_KEY = "dlspass_skipped"  # {pass name: why it did nothing}
 ONNX_ROLES_KEY = "dlspass_roles"
+# on the last node of a decomposed ``dlspass::round_to_format``: the format it rounds to, so the
+# rounding stays recognisable after ``torch.export.save`` (DecomposeRoundingPass writes it)
+ROUNDED_KEY = "dlspass_rounded"
 
 
 def set_role(node: fx.Node, role: str, target: str | None = None, by_pass: str | None = None) -> fx.Node:
@@ -118,8 +139,6 @@ def the_node(graph: fx.Graph, role: str) -> fx.Node:
     return found[0]
 
 
-OUTPUTS_KEY = "dlspass_outputs"
-
 
 def set_output_roles(graph: fx.Graph, roles: list[tuple[str, str | None]]) -> None:
     """Record the role and target of each output position of ``graph``."""
@@ -155,6 +174,22 @@ def recorded(graph: fx.Graph, key: str) -> Any:
         if value is not None:
             return value
     return None
+
+
+def config_from_record(data: dict[str, Any]) -> DLSConfig:
+    """A config as ``apply_dls`` records it (`DLSConfig.to_dict`'s JSON object), read back; file
+    readers pass it as the check of a file's recorded config."""
+    return DLSConfig(**data)
+
+
+def recorded_config(gm: fx.GraphModule | fx.Graph) -> DLSConfig | None:
+    """The config ``apply_dls`` recorded on ``gm`` (None when none, or no config, was given)."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    raw = recorded(graph, CONFIG_KEY)
+    if raw is None:
+        return None
+    data = json.loads(raw)
+    return None if data is None else config_from_record(data)
 
 
 def output_values(graph: fx.Graph) -> list[fx.Node]:

@@ -19,15 +19,15 @@ import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dlspass.errors import DLSInternalError
+from dlspass.errors import InternalRuntimeError
 from dlspass.graph import roles
 
 # node meta that says where a node came from in the user's program (debug/localize reads them)
 PROVENANCE_KEYS = ("stack_trace", "nn_module_stack")
 
 
-class SpliceError(DLSInternalError, RuntimeError):
-    """A helper could not be spliced into the graph; the message names the node."""
+# a helper could not be spliced into the graph; the message names the node
+SpliceError = InternalRuntimeError
 
 
 class Spliced(list[fx.Node]):
@@ -215,20 +215,29 @@ def insert_op(
     kwargs: dict | None = None,
     *,
     before: fx.Node,
-    role: str,
+    role: str | None,
     by_pass: str,
     target_name: str | None = None,
     source: fx.Node | None = None,
+    fake: bool = True,
 ) -> fx.Node:
     """Insert one ``call_function`` node before ``before``, with its fake value computed.
 
-    The node takes the provenance of ``source`` (default: `provenance_source` of its arguments).
+    The node gets ``role`` (and ``target_name``) and ``by_pass``; ``role=None`` is for a step
+    inside a rewrite that stands for no value of the contract (only ``by_pass`` is recorded).
+    It takes the provenance of ``source`` (default: `provenance_source` of its arguments).
+    ``fake=False`` is for a graph that carries no fake values at all (``symbolic_trace``): the
+    node gets none either.
     """
     kwargs = kwargs or {}
     with graph.inserting_before(before):
         node = graph.call_function(target, args, kwargs)
-    set_fake_val(node)
-    roles.set_role(node, role, target_name, by_pass=by_pass)
+    if fake:
+        set_fake_val(node)
+    if role is not None:
+        roles.set_role(node, role, target_name, by_pass=by_pass)
+    else:
+        node.meta.setdefault("custom", {})[roles.PASS_KEY] = by_pass
     port_provenance(source if source is not None else provenance_source(graph, [args, kwargs], before),
                     [node])
     return node

@@ -65,11 +65,11 @@ from dlspass.passes.lower_precision_onnx_pass import LowerPrecisionOnnxPass
 
 def _relabelled(step: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """A copy of ``step`` whose outputs are all USER_OUTPUT with a flat-tuple out_spec."""
-    from dlspass.formats import decompose_rounding
+    from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 
     gm = copy.deepcopy(step.graph_module)
     constants = sum(n.op == "get_attr" for n in gm.graph.nodes)
-    decompose_rounding(gm, form="arith")
+    DecomposeRoundingPass("arith")(gm)
     if sum(n.op == "get_attr" for n in gm.graph.nodes) != constants:
         raise GraphContractError("round_arith traced a tensor constant; cannot splice it into the program")
     ExpandBoolWherePass()(gm)  # onnxruntime's CPU Where has no bool kernel

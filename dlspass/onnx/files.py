@@ -39,7 +39,7 @@ def load_onnx(path: str | Path) -> ir.Model:
     if not model.graph.outputs:
         raise InputValueError(f"{p}: the ONNX model has no outputs")
     _check_wellformed(model, p)
-    check_onnx_meta(model.metadata_props, str(p))
+    check_onnx_meta(model.metadata_props, str(p), check_config=roles.config_from_record)
     _check_external_data(p)
     return model
 

@@ -20,7 +20,7 @@ import pytest
 
 from dlspass import DLSInputError
 from dlspass.config import ConfigError, DLSConfig
-from dlspass.modelzoo import MAX_YAML_BYTES, config_from_params, config_from_yaml
+from dlspass.modelzoo import MAX_YAML_BYTES
 
 MAX_LINE = 600          # characters of an error line (the longest lists the known keys)
 MAX_SECONDS = 5.0       # wall time of one hostile read (the real files take milliseconds)
@@ -78,40 +78,40 @@ def test_alias_bomb_from_a_wrongly_typed_key_fails_fast(tmp_path):
     text = bomb + "trainer:\n  init:\n    precision:\n      fp16_type: *a8\n"
     assert len(text.encode()) < 700  # the ~550-byte bomb plus the key that references it
     path = _write(tmp_path, "bomb.yaml", text)
-    msg = _refused(lambda: config_from_yaml(path))
+    msg = _refused(lambda: DLSConfig.from_yaml(path))
     assert msg.startswith(f"{path}: invalid YAML") and "aliases expand the document past" in msg
 
 
 def test_alias_bomb_under_an_unrelated_key_fails_fast_too(tmp_path):
     path = _write(tmp_path, "bomb2.yaml", _alias_bomb() + "train_input: *a8\noptimizer: {}\n")
-    assert "aliases expand the document past" in _refused(lambda: config_from_yaml(path))
+    assert "aliases expand the document past" in _refused(lambda: DLSConfig.from_yaml(path))
 
 
 def test_alias_tree_within_the_bound_is_not_expanded_into_the_message(tmp_path):
     # 9**5 = 59049 leaves: accepted by the loader, but the wrong type must be named, not printed.
     path = _write(tmp_path, "tree.yaml", _alias_bomb(levels=5) + "trainer:\n  init:\n    precision:\n"
                   "      fp16_type: *a4\n")
-    msg = _refused(lambda: config_from_yaml(path))
+    msg = _refused(lambda: DLSConfig.from_yaml(path))
     assert msg.endswith("trainer.init.precision.fp16_type: expected one of float16 | bfloat16 | cbfloat16, "
                         "got list of 9 items")
 
 
 def test_deep_flow_sequence_is_an_input_error_not_recursion(tmp_path):
     path = _write(tmp_path, "deep.yaml", "trainer: " + "[" * 5000 + "]" * 5000 + "\n")
-    msg = _refused(lambda: config_from_yaml(path))
+    msg = _refused(lambda: DLSConfig.from_yaml(path))
     assert "invalid YAML" in msg and "nesting deeper than 64 levels" in msg
 
 
 def test_deep_block_mapping_is_an_input_error(tmp_path):
     text = "".join(f"{' ' * i}k{i}:\n" for i in range(300)) + " " * 300 + "v: 1\n"
     path = _write(tmp_path, "deep_block.yaml", text)
-    assert "nesting deeper than 64 levels" in _refused(lambda: config_from_yaml(path))
+    assert "nesting deeper than 64 levels" in _refused(lambda: DLSConfig.from_yaml(path))
 
 
 def test_huge_integer_literal_is_an_input_error(tmp_path):
     path = _write(tmp_path, "int.yaml", "trainer:\n  init:\n    precision:\n      steps_per_increase: "
                   + "9" * 20_000 + "\n")
-    msg = _refused(lambda: config_from_yaml(path))
+    msg = _refused(lambda: DLSConfig.from_yaml(path))
     assert msg.startswith(f"{path}: ")
 
 
@@ -119,7 +119,7 @@ def test_huge_integer_literal_is_an_input_error(tmp_path):
 def test_dev_zero_is_refused_without_reading(tmp_path):
     if not os.path.exists("/dev/zero"):
         pytest.skip("no /dev/zero on this platform")
-    msg = _refused(lambda: config_from_yaml("/dev/zero"), peak=1 << 20)
+    msg = _refused(lambda: DLSConfig.from_yaml("/dev/zero"), peak=1 << 20)
     assert msg == "/dev/zero: not a regular file (a device, FIFO or socket); give a YAML file"
 
 
@@ -129,7 +129,7 @@ def test_fifo_is_refused_without_hanging(tmp_path):
     fifo = tmp_path / "params.yaml"
     os.mkfifo(fifo)
     try:
-        msg = _refused(lambda: config_from_yaml(fifo), seconds=3.0, peak=1 << 20)
+        msg = _refused(lambda: DLSConfig.from_yaml(fifo), seconds=3.0, peak=1 << 20)
     finally:
         # Should the read have blocked in open(), a writer releases it.
         try:
@@ -143,7 +143,7 @@ def test_oversized_file_is_refused_by_size(tmp_path):
     path = tmp_path / "big.yaml"
     with path.open("wb") as f:
         f.truncate(64 * MAX_YAML_BYTES)  # sparse: costs no disk
-    msg = _refused(lambda: config_from_yaml(path), peak=4 * MAX_YAML_BYTES)
+    msg = _refused(lambda: DLSConfig.from_yaml(path), peak=4 * MAX_YAML_BYTES)
     assert msg == f"{path}: larger than {MAX_YAML_BYTES} bytes; not a Model Zoo params file"
 
 
@@ -187,15 +187,15 @@ def test_fifty_megabyte_value_is_not_echoed():
     huge = "x" * 50_000_000
     msg = _refused(lambda: DLSConfig(fp16_type=huge), peak=1 << 20)
     assert msg.startswith("fp16_type: unknown format 'xxxx") and "(50000000 characters)" in msg
-    msg = _refused(lambda: config_from_params({"trainer": {"init": {"precision": {"fp16_type": huge}}}},
+    msg = _refused(lambda: DLSConfig.from_dict({"trainer": {"init": {"precision": {"fp16_type": huge}}}},
                                               source="p.yaml"), peak=1 << 20)
     assert "(50000000 characters)" in msg
-    msg = _refused(lambda: config_from_params({huge: 1}, source="p.yaml"), peak=1 << 20)
+    msg = _refused(lambda: DLSConfig.from_dict({huge: 1}, source="p.yaml"), peak=1 << 20)
     assert msg.startswith("p.yaml: 'xxxx") and "unknown DLSConfig field" in msg
-    msg = _refused(lambda: config_from_params({"trainer": {"init": {"precision": {huge: 1}}}},
+    msg = _refused(lambda: DLSConfig.from_dict({"trainer": {"init": {"precision": {huge: 1}}}},
                                               source="p.yaml"), peak=1 << 20)
     assert "unknown precision key" in msg
-    msg = _refused(lambda: config_from_params({"optimizer": {"loss_scaling_factor": huge}},
+    msg = _refused(lambda: DLSConfig.from_dict({"optimizer": {"loss_scaling_factor": huge}},
                                               source="p.yaml"), peak=1 << 20)
     assert msg.startswith("p.yaml: optimizer.loss_scaling_factor: expected \"dynamic\", a number or null, "
                           "got 'xxxx") and msg.endswith("(50000000 characters)")
@@ -204,10 +204,10 @@ def test_fifty_megabyte_value_is_not_echoed():
 def test_yaml_scales_out_of_float32_range_name_the_yaml_key(tmp_path):
     path = _write(tmp_path, "f32.yaml", "trainer:\n  init:\n    precision:\n      fp16_type: float16\n"
                   "      loss_scaling_factor: 1e39\n")
-    msg = _refused(lambda: config_from_yaml(path))
+    msg = _refused(lambda: DLSConfig.from_yaml(path))
     assert "trainer.init.precision.loss_scaling_factor: 1e+39 is outside float32's range" in msg
     path = _write(tmp_path, "f32b.yaml", "trainer:\n  init:\n    precision:\n      fp16_type: float16\n"
                   "      loss_scaling_factor: dynamic\n      initial_loss_scale: 1e39\n"
                   "      max_loss_scale: 1e39\n")
-    msg = _refused(lambda: config_from_yaml(path))
+    msg = _refused(lambda: DLSConfig.from_yaml(path))
     assert "trainer.init.precision.initial_loss_scale: 1e+39 is outside float32's range" in msg

@@ -9,8 +9,8 @@ from torch import Tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dlspass.errors import DLSInputError
-from dlspass.formats import FORMATS, is_round_node, round_to_format, rounded_format
-from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
+from dlspass.formats import FORMATS, is_round_node, round_to_format
+from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass, rounded_format
 
 SWITCHES = [(False, False), (True, False), (False, True), (True, True)]
 STACK = {"L__self___fc1": ("fc1", "torch.nn.modules.linear.Linear")}
@@ -61,9 +61,8 @@ def test_every_new_node_has_a_fake_value_and_the_op_provenance() -> None:
     op.meta["stack_trace"] = "model.py:7"
     op.meta["custom"] = {"dlspass_role": "cast"}
     before = set(gm.graph.nodes)
-    rewrite = DecomposeRoundingPass()
-    rewrite(gm)
-    assert rewrite.replaced == 1
+    result = DecomposeRoundingPass()(gm)
+    assert result.stats["replaced"] == 1
     new = [n for n in gm.graph.nodes if n not in before]
     assert new and all(isinstance(n.meta.get("val"), Tensor) for n in new)
     assert all(n.meta["nn_module_stack"] == STACK and n.meta["stack_trace"] == "model.py:7" for n in new)
@@ -85,9 +84,8 @@ def test_symbolic_shapes_and_several_ops() -> None:
         return a + round_to_format(b.t(), "float16", saturate=True)
 
     gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(4, 6))
-    rewrite = DecomposeRoundingPass()
-    rewrite(gm)
-    assert rewrite.replaced == 3 and not rounds(gm)
+    result = DecomposeRoundingPass()(gm)
+    assert result.stats["replaced"] == 3 and not rounds(gm)
     for shape in ((4, 6), (9, 2)):
         x = inputs(shape[0] * shape[1] - 6, seed=1)[: shape[0] * shape[1]].reshape(shape)
         assert same_bits(gm(x), fn(x)), shape
@@ -110,9 +108,8 @@ def test_graph_without_fake_values_runs_and_claims_no_values() -> None:
 def test_nothing_to_do_and_bad_form() -> None:
     gm = make_fx(lambda t: t * 2.0)(torch.randn(3))
     code = gm.code
-    rewrite = DecomposeRoundingPass("arith")
-    result = rewrite(gm)
-    assert result is not None and not result.modified and rewrite.replaced == 0 and gm.code == code
+    result = DecomposeRoundingPass("arith")(gm)
+    assert result is not None and not result.modified and result.stats["replaced"] == 0 and gm.code == code
     with pytest.raises(DLSInputError, match="form"):
         DecomposeRoundingPass("bytes")
     with pytest.raises(ValueError, match="form"):  # still the builtin it always was

@@ -12,8 +12,9 @@ from stepgraph import mlp_step, node_values, reference_step, run, sgd_momentum
 from torch._subclasses.fake_tensor import FakeTensor
 
 from dlspass.config import DLSConfig
-from dlspass.debug.faults import FAULT, FAULT_STEP, PRE_FAULT_GRAD, Fault, FaultError
+from dlspass.debug.faults import Fault, FaultError
 from dlspass.graph import roles
+from dlspass.graph.roles import FAULT, FAULT_STEP, PRE_FAULT_GRAD
 from dlspass.passes import apply_dls
 from dlspass.passes.inject_faults_pass import InjectFaultsPass
 

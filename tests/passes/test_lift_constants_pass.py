@@ -26,8 +26,8 @@ def test_constants_become_placeholders_before_the_first_input() -> None:
     roles.set_role(ph_p, roles.PARAM, "p")
     roles.set_role(ph_x, roles.INPUT, "batch.0")
 
-    lift = LiftConstantsPass()
-    assert lift(gm).modified
+    lift = LiftConstantsPass()(gm)
+    assert lift.modified
     gm.recompile()
     assert not any(n.op == "get_attr" for n in gm.graph.nodes)
     names = [n.name for n in gm.graph.find_nodes(op="placeholder")]

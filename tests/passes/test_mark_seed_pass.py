@@ -8,9 +8,9 @@ import pytest
 import torch
 from stepgraph import eager_model_grads, linear_joint
 
+from dlspass.errors import DLSInputError
 from dlspass.graph import roles
 from dlspass.graph.marks import MARK_OP
-from dlspass.passes.base import PassContractError
 from dlspass.passes.mark_seed_pass import MarkSeedPass, joint_seeds
 
 
@@ -32,7 +32,8 @@ def test_the_seed_is_marked_and_the_gradients_stay_autograds() -> None:
         torch.testing.assert_close(g, w)
 
 
-def test_no_seed_is_a_contract_error() -> None:
+def test_no_seed_is_an_input_error() -> None:
+    # a joint program without the seed of its loss is the user's program, not a dlspass bug
     _, _, joint = linear_joint()
-    with pytest.raises(PassContractError, match=r"full_like\(no_such_loss, 1\) \(found 0\)"):
+    with pytest.raises(DLSInputError, match=r"full_like\(no_such_loss, 1\) \(found 0\)"):
         MarkSeedPass("no_such_loss")(copy.deepcopy(joint.graph_module))

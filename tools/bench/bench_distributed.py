@@ -163,8 +163,8 @@ def _eager_row(rank: int, wrap: str, scaler_kind: str, clip: bool,
 
 def _captured_row(rank: int, agree_flag: bool) -> dict[str, Any]:
     from dlspass.config import DLSConfig
-    from dlspass.distributed import FLAG_ALLREDUCE, capture_step_distributed, collective_nodes
-    from dlspass.graph.roles import role_of
+    from dlspass.distributed import capture_step_distributed, collective_nodes
+    from dlspass.graph.roles import FLAG_ALLREDUCE, role_of
     from dlspass.models import MLP, mse_loss
 
     torch.manual_seed(0)

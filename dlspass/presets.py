@@ -1,0 +1,74 @@
+"""Policy as data: the scale-policy presets, the formats and policies a config may name, and how
+config messages quote a value.
+
+Below `dlspass.config` (which checks a `DLSConfig` against these) and `dlspass.modelzoo` (which
+reads Model Zoo files into `DLSConfig` arguments), so that neither imports the other's layer.
+Defaults follow the presets table of docs/SEMANTICS.md §2 (cstorch's and the other tools'
+defaults, with their sources).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from dlspass.errors import InputValueError
+
+# The choices are written once, as the types of DLSConfig's fields; the tuples are their values.
+FP16Type = Literal["float16", "bfloat16", "cbfloat16"]
+Policy = Literal["cerebras", "torch", "deepspeed", "megatron", "keras"]
+FP16_TYPES: tuple[str, ...] = get_args(FP16Type)
+POLICIES: tuple[str, ...] = get_args(Policy)
+FLOAT32_MAX = 3.4028234663852886e38
+_EXCERPT = 60
+
+
+@dataclass(frozen=True)
+class PresetDefaults:
+    """The numbers a policy uses when the user leaves a key at ``None``."""
+
+    initial_loss_scale: float
+    max_loss_scale: float
+    min_loss_scale: float
+    steps_per_increase: int
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    hysteresis: int = 1
+    overflow_check: Literal["global_norm", "all_finite"] = "all_finite"
+
+
+def preset_defaults(policy: str, fp16_type: str) -> PresetDefaults:
+    """Defaults of ``policy`` for ``fp16_type`` (docs/SEMANTICS.md §2)."""
+    if policy == "cerebras":
+        init = 2.0**31 if fp16_type == "cbfloat16" else 2.0**15
+        return PresetDefaults(init, init, 2.0**-14, 2000, overflow_check="global_norm")
+    if policy == "torch":
+        # torch has no floor or cap: the floor keeps 1/scale finite (docs/SEMANTICS.md §3.1),
+        # the cap is fp32's largest value, which torch's "grow only if finite" rule never exceeds.
+        return PresetDefaults(2.0**16, FLOAT32_MAX, 2.0**-14, 2000)
+    if policy == "deepspeed":
+        return PresetDefaults(2.0**16, FLOAT32_MAX, 1.0, 1000, hysteresis=2)
+    if policy == "megatron":
+        return PresetDefaults(2.0**32, FLOAT32_MAX, 1.0, 1000, hysteresis=2)
+    if policy == "keras":
+        return PresetDefaults(2.0**15, FLOAT32_MAX, 2.0**-14, 2000)
+    raise InputValueError(f"policy: unknown preset {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def excerpt(value: object) -> str:
+    """A bounded, one-line rendering of ``value`` for error messages (never a full ``repr``).
+
+    Long strings are cut, containers show their type and size, huge integers their bit length:
+    a 50 MB string or an alias tree from a YAML file cannot blow up an error line.
+    """
+    if isinstance(value, str):
+        head = value[:_EXCERPT]
+        text = repr(head)
+        return text if len(value) <= _EXCERPT else f"{text[:-1]}...' ({len(value)} characters)"
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return f"{type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
