@@ -36,6 +36,7 @@ from dlspass.capture.step_pipeline import (
     run_step_pipeline,
 )
 from dlspass.config import DLSConfig, FP16Type, PrecisionMode
+from dlspass.errors import DLSPassError
 from dlspass.graph import roles
 from dlspass.graph.clone import clone_step_graph
 from dlspass.graph.marks import resolve_marks
@@ -213,7 +214,7 @@ def _users_code(what: str) -> Iterator[None]:
     """Report what the user's code (``what``) raised while traced as a `StepCaptureError`."""
     try:
         yield
-    except StepCaptureError:
+    except DLSPassError:  # dlspass's own errors keep their family (an input or internal error)
         raise
     except Exception as e:  # the user's model and loss raise whatever they raise
         raise _trace_error(e, what) from e
