@@ -6,6 +6,9 @@ Public verbs (importing ``dlspass`` stays light: heavy modules load on first use
 - ``GradScaler``: an eager scaler with cstorch's constructor and torch.amp's methods.
 - ``capture_step``: one training step captured as one FX graph and rewritten for DLS.
 - ``compile``: the whole training step compiled by inductor as one graph, DLS included.
+  Every entry point takes ``config=`` plus keyword overrides, merged by
+  ``DLSConfig.with_overrides``; a step that cannot be captured or compiled raises
+  ``StepCaptureError`` (``CaptureError`` and ``CompileError`` are its other names).
 - ``verify``: prove a rewritten graph's DLS invariants (raises ``VerificationError``).
 - ``formats`` / ``round_to_format``: float16, bfloat16 and cbfloat16 rounding.
 - ``DLSPassError``: the root of every exception dlspass raises; ``DLSInputError`` (bad input)
@@ -47,8 +50,10 @@ _LAZY = {
     "formats": "dlspass.formats",
     "capture_step": "dlspass.capture.functional",
     "CapturedStep": "dlspass.capture.functional",
+    "capture_step_distributed": "dlspass.capture.functional",
+    "StepCaptureError": "dlspass.capture.step_pipeline",
     "CaptureError": "dlspass.capture.functional",
-    "capture_step_distributed": "dlspass.distributed",
+    "CompileError": "dlspass.capture.compiled_step",
     "verify": "dlspass.graph.invariants",
     "VerificationError": "dlspass.graph.invariants",
     "compile": "dlspass.capture.compiled_step",

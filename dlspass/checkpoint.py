@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlspass.errors import DLSInputError
+from dlspass.errors import DLSInputError, InputValueError
 from dlspass.files.atomic_write import write_atomic
 from dlspass.files.bounded_text import excerpt
 from dlspass.files.dcp_reader import load_untrusted
@@ -49,7 +49,7 @@ VERSION = 1
 _NAME = re.compile(r"^(?P<stem>.+)-(?P<step>\d+)\.pt$")
 
 
-class CheckpointError(DLSInputError, ValueError):
+class CheckpointError(InputValueError):
     """A checkpoint file is missing, damaged or not a dlspass checkpoint (one-line message)."""
 
 

@@ -9,6 +9,8 @@ docs/SEMANTICS.md §2 (cstorch's and the other tools' defaults, with their sourc
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -95,6 +97,9 @@ class DLSConfig:
     ``loss_scale``: ``"dynamic"`` turns DLS on; a number is a static scale (no overflow check,
     no skipped steps); ``None`` or ``1.0`` means no scaling. Every other numeric key left at
     ``None`` takes the default of ``policy`` for ``fp16_type`` (docs/SEMANTICS.md §2).
+    ``precision_mode``: how the lowered ops run, ``"emulate"`` (rounded in float32 containers)
+    or ``"native"`` (cast to the 16-bit dtype). Entry points merge their keyword overrides into
+    a config with `with_overrides`.
 
     Example:
         >>> cfg = DLSConfig(fp16_type="cbfloat16")
@@ -119,6 +124,7 @@ class DLSConfig:
     consecutive_hysteresis: bool = False
     on_scale_floor: Literal["warn", "raise"] = "warn"
     log_loss_scale: bool = False
+    precision_mode: PrecisionMode = "emulate"
     extras: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -126,6 +132,7 @@ class DLSConfig:
         # numbers are checked in float32 terms, since that is how the scaler holds them.
         _choice("fp16_type", self.fp16_type, FP16_TYPES, "format")
         _choice("policy", self.policy, POLICIES, "preset")
+        _choice("precision_mode", self.precision_mode, PRECISION_MODES, "mode")
         ls = self.loss_scale
         if isinstance(ls, str):
             if ls != "dynamic":
@@ -233,6 +240,68 @@ class DLSConfig:
         """``"global_norm"`` (cerebras) or ``"all_finite"`` (the other presets)."""
         return self.defaults.overflow_check
 
+    def with_overrides(self, **overrides: Any) -> DLSConfig:
+        """This config with ``overrides`` applied: the one merge rule of every entry point.
+
+        ``capture_step(config=, ...)``, ``dlspass.compile(config=, scaler=, ...)``, the
+        ``make_backend`` / ``backend="dlspass"`` options and the CLI's ``--config`` plus flags all
+        merge through here, so they resolve the same overrides to the same config:
+
+        - each key must be a field (an unknown key is a ``ConfigError`` naming it); its value
+          replaces the field as given, ``None`` included (``loss_scale=None`` turns scaling off),
+          so an entry point that reads ``None`` as "not given" leaves such keywords out;
+        - the result is checked as a whole (``__post_init__``): a bad value or combination is the
+          same ``ConfigError``, with the same message, whichever entry point passed it;
+        - the other fields stay as written: one left to its preset stays so and follows a new
+          ``policy`` or ``fp16_type``;
+        - any key may change, ``fp16_type`` included even where it moves the scale range: a
+          config is data until a scaler holds a scale built from it.
+
+        That last case is the one refusal: a live scaler (``compile(scaler=)``,
+        ``make_backend(scaler=)``) already holds state built from its config, and overrides of
+        it go through `with_overrides_keeping_state`, which refuses a key that changes the rules
+        that state follows.
+
+        Example:
+            >>> DLSConfig().with_overrides(fp16_type="cbfloat16").init_scale == 2.0**31
+            True
+        """
+        unknown = [k for k in overrides if k not in self.__dataclass_fields__]
+        if unknown:
+            names = list(self.__dataclass_fields__)
+            hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, names, 1))
+                     else repr(k) for k in unknown]
+            raise ConfigError(f"unknown DLSConfig field(s) {', '.join(hints)}; "
+                              f"known: {', '.join(names)}")
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+    def with_overrides_keeping_state(self, **overrides: Any) -> DLSConfig:
+        """`with_overrides` for the config of a scaler whose state already exists.
+
+        A key that changes the loss scaling that state was built for (whether and how it
+        scales, the scale range, the growth, backoff and hysteresis rule, the overflow check),
+        or that replaces a clipping limit the config sets, is a ``ConfigError`` naming the key:
+        construct the scaler with it instead. The other keys (``mixed_precision``,
+        ``precision_mode``, a clipping limit the config leaves open, an ``fp16_type`` that keeps
+        the scale range) merge as in `with_overrides`.
+        """
+        merged = self.with_overrides(**overrides)
+        for key, value in overrides.items():
+            old = getattr(self, key)
+            if key in _CLIPPING and old is not None and value != old:
+                why = "the scaler clips with its own"
+            elif _scaling_rules(self.with_overrides(**{key: value})) != _scaling_rules(self):
+                why = "it changes the loss scaling the scaler's state was built for"
+            else:
+                continue
+            raise ConfigError(f"{key}={excerpt(value)} conflicts with the scaler's {key}={excerpt(old)} "
+                              f"({why}); construct dlspass.GradScaler({key}={excerpt(value)}) instead")
+        if _scaling_rules(merged) != _scaling_rules(self):
+            keys = ", ".join(overrides)
+            raise ConfigError(f"{keys}: together they change the loss scaling the scaler's state was "
+                              "built for; construct dlspass.GradScaler with them instead")
+        return merged
+
     def to_dict(self) -> dict[str, Any]:
         """The user-given fields, JSON-serializable (used for export metadata)."""
         out = {}
@@ -293,3 +362,15 @@ def _from_modelzoo(read: Callable[[], modelzoo.ModelZooSettings]) -> DLSConfig:
         return DLSConfig(**settings.kwargs)
     except ConfigError as exc:
         raise ConfigError(settings.in_file_terms(str(exc))) from None
+
+
+
+_CLIPPING = ("max_gradient_norm", "max_gradient_value")
+
+
+def _scaling_rules(config: DLSConfig) -> tuple:
+    """What a scaler's state follows, resolved: two configs with equal rules can share a state."""
+    c = config
+    return (c.enabled, c.dynamic, c.init_scale, c.min_scale, c.max_scale, c.growth_interval,
+            c.growth, c.backoff, c.hysteresis_steps, c.tolerance, c.overflow_check,
+            c.consecutive_hysteresis, c.on_scale_floor)

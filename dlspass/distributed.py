@@ -24,14 +24,15 @@ Then ``norm = sqrt(local replicated squares + reduced sharded squares)`` (cerebr
 and from identical local values only, so every rank takes the same decision and keeps an
 identical scaler state. No host read: the collective is an ordinary in-place ``all_reduce``.
 
-**Captured step** (`capture_step_distributed`, or ``capture_step(..., process_group=)``, or
-the two graph passes on any role-tagged step graph): `insert_grad_allreduce`
-(`dlspass.passes.all_reduce_grads_pass.AllReduceGradsPass`) averages the gradients over the
+**Captured step** (``dlspass.capture_step_distributed``, or ``capture_step(...,
+process_group=)``, or the two graph passes on any role-tagged step graph):
+`dlspass.passes.all_reduce_grads_pass.AllReduceGradsPass` averages the gradients over the
 group with functional collectives inside the graph (one bucketed ``all_reduce`` per dtype, as
-DDP does), before DLS unscales them; `insert_flag_allreduce`
-(`dlspass.passes.all_reduce_flag_pass.AllReduceFlagPass`) adds one 4-byte ``all_reduce`` on the
-overflow flag after the DLS passes. Averaged gradients are bit-identical on every rank and inf/NaN
-propagate through the sum, so the flag all-reduce is insurance (``agree_flag=False`` drops it).
+DDP does), before DLS unscales them; `dlspass.passes.all_reduce_flag_pass.AllReduceFlagPass`
+adds one 4-byte ``all_reduce`` on the overflow flag after the DLS passes (both run by
+``dlspass.capture.step_pipeline``; this module holds their role names and errors). Averaged
+gradients are bit-identical on every rank and inf/NaN propagate through the sum, so the flag
+all-reduce is insurance (``agree_flag=False`` drops it).
 
 Scaler checkpoints, DCP folders included (`save_scaler` / `load_scaler`), are in
 ``dlspass.checkpoint``.
@@ -39,13 +40,13 @@ Scaler checkpoints, DCP folders included (`save_scaler` / `load_scaler`), are in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch import Tensor, nn
+from torch import Tensor
 
 from dlspass.config import DLSConfig
 from dlspass.errors import InputRuntimeError, InputValueError, InternalValueError
@@ -162,79 +163,7 @@ def check_overflow_distributed(
     return isfinite, norm
 
 
-# ---- captured step -------------------------------------------------------------------------------
-def insert_grad_allreduce(gm: fx.GraphModule, group: Any = None, *,
-                          average: bool = True) -> fx.GraphModule:
-    """Average (or sum) every GRAD over ``group`` inside the graph, before the DLS passes.
-
-    Run it on the graph `dlspass.capture.functional.trace_step` returns, before ``apply_dls``;
-    it runs `AllReduceGradsPass` (one bucketed functional ``all_reduce`` per dtype, divided by
-    the world size; the reduced gradients carry the GRAD role, the rank-local ones are re-tagged
-    ``local_grad``). Returns ``gm``, changed in place.
-    """
-    from dlspass.passes.all_reduce_grads_pass import AllReduceGradsPass
-
-    AllReduceGradsPass(group, average=average)(gm)
-    return gm
-
-
-def insert_flag_allreduce(gm: fx.GraphModule, group: Any = None) -> fx.GraphModule:
-    """Make the overflow flag of a DLS-rewritten step agree over ``group`` (run after apply_dls).
-
-    Runs `AllReduceFlagPass`: ``isfinite = all_reduce(not isfinite, SUM) == 0``, one 4-byte
-    functional all-reduce; the local flag is re-tagged with target ``"local"``. A graph without
-    a flag (static scale, no scaling) is returned unchanged.
-    """
-    from dlspass.passes.all_reduce_flag_pass import AllReduceFlagPass
-
-    AllReduceFlagPass(group)(gm)
-    return gm
-
-
-def capture_step_distributed(
-    model: nn.Module,
-    loss_fn: Callable[[nn.Module, Any], Tensor],
-    optimizer: torch.optim.Optimizer,
-    example_batch: Any,
-    config: DLSConfig | None = None,
-    *,
-    process_group: Any = None,
-    agree_flag: bool = True,
-    broadcast_params: bool = True,
-    compile: bool = False,
-    precision_mode: str = "emulate",
-) -> Any:
-    """`dlspass.capture_step` for data parallelism: one graph = step + gradient all-reduce.
-
-    Every rank captures the same step on its own batch shard; the graph averages the gradients
-    over ``process_group`` (default: the world) before DLS unscales and checks them, so ranks
-    stay identical, as under DDP. As DDP does at construction, ``broadcast_params`` first copies
-    the parameters and buffers of the group's first rank to all ranks. With ``agree_flag`` the
-    overflow flag is all-reduced too. Returns a ``CapturedStep``.
-    """
-    from dlspass.capture.functional import build_step
-    from dlspass.graph.invariants import verify
-
-    if resolve_group(process_group) is None and not (dist.is_available() and dist.is_initialized()):
-        raise DistributedSetupError("capture_step_distributed: torch.distributed is not initialised")
-    if broadcast_params:
-        group = process_group if process_group is not None else dist.group.WORLD
-        src = dist.get_global_rank(group, 0)
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=src, group=group)
-
-    def agree(gm: fx.GraphModule) -> None:
-        if agree_flag and config is not None and config.dynamic:
-            insert_flag_allreduce(gm, process_group)
-            verify(gm)
-
-    return build_step(model, loss_fn, optimizer, example_batch, config, compile=compile,
-                      precision_mode=precision_mode,
-                      before_dls=lambda gm: insert_grad_allreduce(gm, process_group),
-                      after_dls=agree)
-
-
+# ---- captured step ------------------------------------------------------------------------------
 def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The functional-collective nodes of a graph (``_c10d_functional`` ops other than waits)."""
     # only call nodes have an OpOverload target (the others name attributes or methods)

@@ -32,7 +32,7 @@ import json
 
 import torch.fx as fx
 
-from dlspass.config import PRECISION_MODES, ConfigError, DLSConfig, PrecisionMode
+from dlspass.config import DLSConfig, PrecisionMode
 from dlspass.errors import GraphContractError
 from dlspass.graph import roles
 from dlspass.graph.invariants import check
@@ -62,11 +62,11 @@ __all__ = [
 ]
 
 
-def default_passes(config: DLSConfig | None, precision_mode: PrecisionMode = "emulate") -> list[DLSPass]:
+def default_passes(config: DLSConfig | None) -> list[DLSPass]:
     """The passes ``apply_dls`` runs for ``config``, in order."""
     passes: list[DLSPass] = []
     if config is not None and config.mixed_precision:
-        passes.append(LowerPrecisionPass(config.fp16_type, precision_mode))
+        passes.append(LowerPrecisionPass(config.fp16_type, config.precision_mode))
     if config is not None:
         passes += [ScaleSeedPass(config), UnscaleGradsPass(config), ClipGradNormPass(config),
                    GuardUpdatesPass(config), UpdateScalePass(config)]
@@ -101,7 +101,7 @@ def run_passes(gm: fx.GraphModule, passes: list[GraphPass]) -> fx.GraphModule:
 
 
 def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
-              precision_mode: PrecisionMode = "emulate") -> fx.GraphModule:
+              precision_mode: PrecisionMode | None = None) -> fx.GraphModule:
     """Rewrite the captured step ``gm`` in place for ``config`` and return it, verified.
 
     ``config=None`` changes nothing; a config with scaling off (``loss_scale=None``, bfloat16)
@@ -109,33 +109,37 @@ def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
     and unscaling but no check, guard or state update. Each pass that leaves the graph alone
     records why (``skip_reasons``). Applying it again with the same config leaves the graph
     unchanged; a graph rewritten with a different config is a ``PassContractError``, as is a
-    graph without the step roles; a bad ``precision_mode`` is a ``ConfigError``.
+    graph without the step roles. The precision mode is ``config.precision_mode``;
+    ``precision_mode=`` overrides it (``config.with_overrides``, so a bad one is the config's
+    ``ConfigError``) and is kept for one release: put it in the config instead.
 
     Example:
         >>> gm = apply_dls(gm, DLSConfig(loss_scale="dynamic"))  # doctest: +SKIP
     """
     from dlspass.graph.invariants import verify
 
-    if precision_mode not in PRECISION_MODES:
-        raise ConfigError(f"precision_mode: expected one of {', '.join(PRECISION_MODES)}, "
-                          f"got {precision_mode!r}")
+    if precision_mode is not None:
+        # checked by the config, as every entry point's precision mode is
+        resolved = (config or DLSConfig()).with_overrides(precision_mode=precision_mode)
+        config = resolved if config is not None else None
+    mode = config.precision_mode if config is not None else (precision_mode or "emulate")
     want = _config_json(config)
     have = roles.recorded(gm.graph, CONFIG_KEY)
     if have is not None:
         have_mode = roles.recorded(gm.graph, MODE_KEY)
-        if have != want or have_mode != precision_mode:
+        if have != want or have_mode != mode:
             raise PassContractError(
                 f"this graph was already rewritten with config {have} (precision {have_mode}); "
-                f"refusing to apply {want} (precision {precision_mode}): rewrite the captured "
+                f"refusing to apply {want} (precision {mode}): rewrite the captured "
                 "graph instead")
         return gm
-    passes = default_passes(config, precision_mode)
+    passes = default_passes(config)
     if passes:
         gm = run_passes(gm, passes)
     for node in (gm.graph.output_node(), *roles.nodes_with_role(gm.graph, roles.SEED)):
         custom = node.meta.setdefault("custom", {})
         custom[CONFIG_KEY] = want
-        custom[MODE_KEY] = precision_mode
+        custom[MODE_KEY] = mode
     gm.recompile()
     verify(gm)
     return gm

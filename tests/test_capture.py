@@ -277,3 +277,26 @@ def test_cbfloat16_trains_transformers_gpt2_like_the_eager_scaler():
     assert step.scaler.get_num_skipped_steps().item() == ref_scaler.get_num_skipped_steps().item() == 1
     for p0, p, q in zip(start, model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.detach() - p0, q.detach() - p0, rtol=0.05, atol=2e-4)
+
+
+def test_the_users_error_is_an_input_error_and_a_dlspass_bug_is_not(monkeypatch):
+    """Inside make_fx only torch's tracing errors and what the user's code raises become a
+    CaptureError (CLI exit 2); a failure in dlspass's own code stays what it is (exit 3)."""
+    from dlspass.capture import functional
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def bad_loss(m, b):
+        raise ValueError("the user's own bug")
+
+    with pytest.raises(CaptureError, match="the loss function raised ValueError: the user's own bug"):
+        dlspass.capture_step(model, bad_loss, opt, torch.randn(2, 8))
+
+    def broken_mark_grads(grads):
+        raise KeyError("a dlspass bug")
+
+    monkeypatch.setattr(functional, "mark_grads", broken_mark_grads)
+    with pytest.raises(KeyError, match="a dlspass bug") as info:
+        dlspass.capture_step(model, lambda m, b: m(b).sum(), opt, torch.randn(2, 8))
+    assert not isinstance(info.value, dlspass.DLSInputError)

@@ -160,8 +160,9 @@ def _scenario_fsdp_clip(rank: int, world: int) -> dict:
 
 def _scenario_captured(rank: int, world: int) -> dict:
     """capture_step_distributed: averaged grads + flag in one graph; inf in one rank's batch."""
+    from dlspass.capture.functional import capture_step_distributed
     from dlspass.config import DLSConfig
-    from dlspass.distributed import capture_step_distributed, collective_nodes
+    from dlspass.distributed import collective_nodes
     from dlspass.models import MLP, mse_loss
 
     torch.manual_seed(3)
@@ -358,13 +359,10 @@ def test_dcp_round_trip_of_torch_grad_scaler(tmp_path) -> None:
 
 def test_single_process_needs_no_group() -> None:
     """Without an initialised process group nothing is communicated (and none is required)."""
-    from dlspass.distributed import (
-        DistributedSetupError,
-        insert_flag_allreduce,
-        insert_grad_allreduce,
-        resolve_group,
-    )
+    from dlspass.distributed import DistributedSetupError, resolve_group
     from dlspass.errors import DLSInputError
+    from dlspass.passes.all_reduce_flag_pass import AllReduceFlagPass
+    from dlspass.passes.all_reduce_grads_pass import AllReduceGradsPass
 
     # an input error that is still the RuntimeError it always was
     assert issubclass(DistributedSetupError, DLSInputError) and issubclass(DistributedSetupError, RuntimeError)
@@ -372,7 +370,7 @@ def test_single_process_needs_no_group() -> None:
     with pytest.raises(DistributedSetupError, match="not initialised"):
         resolve_group(object())
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-    for fn in (insert_grad_allreduce, insert_flag_allreduce):
+    for fn in (AllReduceGradsPass(), AllReduceFlagPass()):
         with pytest.raises(DistributedSetupError, match="not initialised"):
             fn(gm)
 

@@ -19,7 +19,8 @@ import dlspass
 CLASSES = {
     "ConfigError", "DLSConfig", "DLSInputError", "DLSInternalError", "DLSPassError", "GradScaler",
     "TorchGradScaler", "HeldScheduler", "ScaleFloorWarning", "ScaleFloorError", "ScalerState",
-    "CapturedStep", "CaptureError", "VerificationError", "ScalerStateError",
+    "CapturedStep", "CaptureError", "CompileError", "StepCaptureError", "VerificationError",
+    "ScalerStateError",
 }
 FUNCTIONS = {
     "hold_scheduler_on_skip", "round_to_format", "capture_step", "capture_step_distributed",

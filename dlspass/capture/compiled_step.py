@@ -14,23 +14,23 @@ purpose), so while the compiled step runs:
    wrapped in ``dlspass.graph.marks.mark`` so the AOTAutograd graph carries roles;
 3. the AOT forward compiler (``tag_aot_graph``) moves those roles onto placeholders and
    outputs, tags the backward seed (the ``ones_like(loss)`` every gradient depends on) and runs
+   the step pipeline (``dlspass.capture.step_pipeline``, the one ``capture_step`` runs):
    ``dlspass.passes.apply_dls``: 16-bit lowering, seed scaling, unscale and overflow check,
    clipping, ``where``-guarded updates (a skipped step leaves parameters and optimizer state
    bit-identical, with no clones) and the scale update, all on device with no host sync;
-4. ``write_updates_in_place`` ends the graph with ``copy_`` into each updated input, so the
+4. ``WriteUpdatesInPlacePass`` ends the graph with ``copy_`` into each updated input, so the
    updates land in the parameters' own storage inside the fused kernels instead of being
    copied back one tensor at a time by AOTAutograd; the graph then goes to inductor (or runs
    as is with ``backend_compiler="eager"``).
 
-Hooks on that AOT graph: ``graph_passes`` run between tagging and ``apply_dls`` and may add
-inputs that the step feeds at every call (``CompiledStep.extra_inputs``; fault injection uses
-this), and ``process_group`` makes the graph one data-parallel step (gradient all-reduce before
-DLS, overflow-flag all-reduce after it).
+Hooks on that AOT graph (the same as ``CapturedStep``'s): ``graph_passes`` run between tagging
+and ``apply_dls`` and may add inputs that the step feeds at every call
+(``CompiledStep.extra_inputs``; fault injection uses this), and ``process_group`` makes the
+graph one data-parallel step (gradient all-reduce before DLS, overflow-flag all-reduce after it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
@@ -52,73 +52,30 @@ from dlspass.capture.optim import (
     optimizer_kind,
     update_one,
 )
-from dlspass.config import ConfigError, DLSConfig
-from dlspass.errors import DLSInputError, DLSPassError
+from dlspass.capture.step_config import NO_SCALING, resolve_config
+from dlspass.capture.step_pipeline import (
+    DataParallel,
+    GraphPass,
+    StepCaptureError,
+    graph_targets,
+    param_targets,
+    run_step_pipeline,
+)
+from dlspass.config import ConfigError, DLSConfig, FP16Type, PrecisionMode
+from dlspass.errors import DLSPassError
 from dlspass.graph import roles
 from dlspass.graph.marks import mark, resolve_marks
 from dlspass.passes.remove_placeholder_aliases_pass import RemovePlaceholderAliasesPass
-from dlspass.passes.write_updates_in_place_pass import WriteUpdatesInPlacePass
 
 _SUPPORTED = ", ".join(f"torch.optim.{name}" for name in SUPPORTED_OPTIMIZERS)
 
 
-class CompileError(DLSInputError, RuntimeError):
-    """The training step cannot be compiled as one dlspass graph; the message says why."""
+CompileError = StepCaptureError
+"""The name ``dlspass.compile``'s error had before `StepCaptureError` (the same class)."""
 
 
-class StepNotCallableError(CompileError, TypeError):
-    """``dlspass.compile`` was given something that is not callable as the step (a TypeError,
-    as it always was)."""
-
-
-# ---- configuration ---------------------------------------------------------------------------
-
-def resolve_config(
-    scaler: Any | None,
-    fp16_type: str | None = None,
-    mixed_precision: bool | None = None,
-    max_gradient_norm: float | None = None,
-) -> DLSConfig:
-    """The step's ``DLSConfig``: the scaler's, with the keyword options applied.
-
-    A keyword that would change what the scaler already decided (its scale range, whether it
-    scales at all, a different clipping norm) is a ``ConfigError``: build the scaler with it.
-    Without a scaler the step runs without loss scaling.
-    """
-    if scaler is None:
-        return DLSConfig(
-            loss_scale=None,
-            fp16_type=fp16_type or "float16",
-            # without a scaler, lowering happens only when asked for
-            mixed_precision=(fp16_type is not None) if mixed_precision is None else mixed_precision,
-            max_gradient_norm=max_gradient_norm,
-        )
-    base = getattr(scaler, "config", None)
-    if not isinstance(base, DLSConfig) or not hasattr(scaler, "state"):
-        raise ConfigError(
-            f"scaler: expected a dlspass.GradScaler (with .config and .state), got {type(scaler).__name__}"
-        )
-    cfg = base
-    if fp16_type is not None and fp16_type != base.fp16_type:
-        cfg = dataclasses.replace(cfg, fp16_type=fp16_type)
-        old = (base.enabled, base.dynamic, base.init_scale, base.min_scale, base.max_scale)
-        new = (cfg.enabled, cfg.dynamic, cfg.init_scale, cfg.min_scale, cfg.max_scale)
-        if old != new:
-            raise ConfigError(
-                f"fp16_type={fp16_type!r} conflicts with the scaler's fp16_type={base.fp16_type!r} "
-                "(it changes the loss-scale range); construct dlspass.GradScaler(fp16_type="
-                f"{fp16_type!r}) instead"
-            )
-    if max_gradient_norm is not None:
-        if base.max_gradient_norm is not None and base.max_gradient_norm != max_gradient_norm:
-            raise ConfigError(
-                f"max_gradient_norm={max_gradient_norm!r} conflicts with the scaler's "
-                f"max_gradient_norm={base.max_gradient_norm!r}"
-            )
-        cfg = dataclasses.replace(cfg, max_gradient_norm=max_gradient_norm)
-    if mixed_precision is not None:
-        cfg = dataclasses.replace(cfg, mixed_precision=mixed_precision)
-    return cfg
+class StepNotCallableError(StepCaptureError, TypeError):
+    """``dlspass.compile`` was given something that is not callable as the step."""
 
 
 # ---- the optimizer: torch.optim's math from dlspass.capture.optim, on live tensors -------------
@@ -127,20 +84,14 @@ def _functionalize(optimizer: Any, names: dict[int, str]) -> FunctionalOptimizer
     # the rule capture_step uses: torch.optim's classes and subclasses that keep their step
     if optimizer_kind(optimizer) is None:
         kind = type(optimizer)
-        raise CompileError(
+        raise StepCaptureError(
             f"optimizer: {kind.__module__}.{kind.__qualname__} has no functional form in dlspass; "
             f"supported: {_SUPPORTED}"
         )
     try:
         return functionalize(optimizer, names)
     except (UnsupportedOptimizerError, ValueError) as e:
-        raise CompileError(f"optimizer: {e}") from e
-
-
-def _param_names(optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    """``{id(param): "group<i>.param<j>"}``: the graph targets of the optimizer's parameters."""
-    return {id(p): f"group{gi}.param{pi}"
-            for gi, group in enumerate(optimizer.param_groups) for pi, p in enumerate(group["params"])}
+        raise StepCaptureError(f"optimizer: {e}") from e
 
 
 def _materialize_state(optimizer: torch.optim.Optimizer, fopt: FunctionalOptimizer) -> dict[int, Tensor]:
@@ -181,12 +132,14 @@ class _StepContext:
     as initialised at the next call.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: Any, config: DLSConfig) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: Any, config: DLSConfig,
+                 model: torch.nn.Module | None = None) -> None:
         self.optimizer = optimizer
         self.fopt: FunctionalOptimizer | None = None  # set by _build, at the first call
         self.scaler = scaler
         self.config = config
-        self.names = _param_names(optimizer)
+        self.model = model
+        self.names = param_targets(optimizer, model)
         self.flags: dict[int, Tensor] = {}
         self._created: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (param, zero buffer)
         self._signature: tuple | None = None
@@ -200,7 +153,7 @@ class _StepContext:
         if wrong is not None:
             # the DLS math and the 16-bit lowering are written for float32 master weights; a
             # float64 model otherwise fails deep in the graph with a misleading message
-            raise CompileError(f"dlspass.compile: parameters must be float32 master weights, found "
+            raise StepCaptureError(f"dlspass.compile: parameters must be float32 master weights, found "
                                f"{wrong.dtype} (shape {tuple(wrong.shape)}); call model.float() first")
         device = next((p.device for g in opt.param_groups for p in g["params"]), None)
         scaler = self.scaler
@@ -209,7 +162,7 @@ class _StepContext:
             scaler.state = scale_policy.ScalerState(*(t.to(device) for t in scaler.state))
         if scaler is None and (self.state is None or self.state.loss_scale.device != device):
             self.state = scale_policy.init_state(self.config, device)
-        self.names = _param_names(opt)
+        self.names = param_targets(opt, self.model)
         self.fopt = _functionalize(opt, self.names)  # parameters added since get names too
         self.plans = self.fopt.plans()
         self._signature = self.fopt.static_signature()
@@ -274,7 +227,7 @@ class _StepContext:
         Traced by dynamo in place of ``optimizer.step``; ``apply_dls`` adds DLS afterwards.
         """
         if args or kwargs:
-            raise CompileError("optimizer.step(closure) is not supported inside dlspass.compile")
+            raise StepCaptureError("optimizer.step(closure) is not supported inside dlspass.compile")
         with torch.no_grad():
             for gi, (params, plan) in enumerate(zip(self.params, self.plans, strict=True)):
                 hyper = {k: mark(t, roles.HYPER, f"group{gi}.{k}").reshape(())
@@ -316,7 +269,7 @@ def find_seed(graph: fx.Graph) -> fx.Node:
     """The backward seed: the ``ones_like`` of a 0-d value that every gradient depends on."""
     grads = roles.nodes_with_role(graph, roles.GRAD)
     if not grads:
-        raise CompileError("the step computes no gradients: call loss.backward() before optimizer.step()")
+        raise StepCaptureError("the step computes no gradients: call loss.backward() before optimizer.step()")
     # the nodes every gradient depends on
     ancestors = set.intersection(*(roles.ancestors([g]) for g in grads))
     # a ones_like/full_like of a non-scalar (``x * torch.ones_like(x)`` in the model) is
@@ -325,7 +278,7 @@ def find_seed(graph: fx.Graph) -> fx.Node:
              and n.target in roles.SEED_OPS
              and _is_scalar(n)]
     if len(seeds) != 1:
-        raise CompileError(f"expected one backward seed (ones_like(loss)) in the step, found {len(seeds)}: "
+        raise StepCaptureError(f"expected one backward seed (ones_like(loss)) in the step, found {len(seeds)}: "
                            "call loss.backward() exactly once on a scalar loss (to accumulate "
                            "micro-batches, sum their losses and call backward on the sum)")
     return seeds[0]
@@ -365,41 +318,17 @@ def tag_aot_graph(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def write_updates_in_place(gm: fx.GraphModule) -> int:
-    """End the graph with ``copy_(placeholder, new)`` for every updated parameter and state
-    (``WriteUpdatesInPlacePass``); returns the number of updates moved."""
-    write = WriteUpdatesInPlacePass()
-    write(gm)
-    return write.moved
-
-
 def _make_step_rewrite(step: CompiledStep) -> dynamo_backend.Rewrite:
-    """The rewrite of the AOT step graph (tagging, graph passes, DLS, in-place updates) that
-    ``dynamo_backend.aot_backend`` applies before it compiles the graph."""
-    from dlspass.passes import apply_dls
+    """The rewrite of the AOT step graph that ``dynamo_backend.aot_backend`` applies before it
+    compiles the graph: the step pipeline (tagging, graph passes, collectives, DLS, verify, the
+    in-place updates), then the extra inputs the graph passes asked for."""
 
     def rewrite(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[Any], Callable[[Callable], Callable]]:
-        tag_aot_graph(gm)
-        n_inputs = len(gm.graph.find_nodes(op="placeholder"))
-        for graph_pass in step.graph_passes:
-            graph_pass(gm)
-        if step.process_group is not None:
-            from dlspass.distributed import insert_grad_allreduce
-
-            # before apply_dls: DLS unscales and checks the averaged gradients
-            insert_grad_allreduce(gm, step.process_group)
-        apply_dls(gm, step.config)
-        if step.process_group is not None and step.config.dynamic:
-            from dlspass.distributed import insert_flag_allreduce
-
-            insert_flag_allreduce(gm, step.process_group)
-        extra = [roles.target_of(n) for n in gm.graph.find_nodes(op="placeholder")[n_inputs:]]
-        missing = [t for t in extra if t not in step.extra_inputs]
-        if missing:
-            raise CompileError(f"a graph pass added input(s) {missing} that CompiledStep.extra_inputs "
-                               f"does not provide (it provides: {sorted(step.extra_inputs)})")
+        data_parallel = None if step.process_group is None else DataParallel(step.process_group)
+        gm, extra = run_step_pipeline(gm, step.config, tag=tag_aot_graph, graph_passes=step.graph_passes,
+                                      data_parallel=data_parallel, write_in_place=True,
+                                      extra_inputs=step.extra_inputs)
         step.graphs.append(gm)
-        write_updates_in_place(gm)
         if not extra:
             return example_inputs, lambda compiled: compiled
         providers = [step.extra_inputs[t] for t in extra]
@@ -455,21 +384,22 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, optimizer: torch.optim.Optimizer, scaler: Any,
                  config: DLSConfig, backend_compiler: str,
-                 graph_passes: Sequence[Callable[[fx.GraphModule], None]] = (),
-                 process_group: Any = None, broadcast_params: bool = True) -> None:
-        _functionalize(optimizer, _param_names(optimizer))  # an unsupported optimizer fails here
+                 graph_passes: Sequence[GraphPass] = (),
+                 process_group: Any = None, broadcast_params: bool = True,
+                 model: torch.nn.Module | None = None) -> None:
+        _functionalize(optimizer, param_targets(optimizer, model))  # an unsupported optimizer fails here
         self.fn = fn
         self.optimizer = optimizer
         self.scaler = scaler
         self.config = config
         self.backend_compiler = backend_compiler
         self.graphs: list[fx.GraphModule] = []  # the rewritten AOT graphs, for inspection
-        self.graph_passes: list[Callable[[fx.GraphModule], None]] = list(graph_passes)
+        self.graph_passes: list[GraphPass] = list(graph_passes)
         self.extra_inputs: dict[str, Callable[[], Tensor]] = {}
         self.num_calls = 0
         self.process_group = _resolve_process_group(process_group)
         self._broadcast_pending = broadcast_params and self.process_group is not None
-        self._ctx = _StepContext(optimizer, scaler, config)
+        self._ctx = _StepContext(optimizer, scaler, config, model)
         rewrite = _make_step_rewrite(self)
 
         def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -486,13 +416,11 @@ class CompiledStep:
     def graph_targets(self, model: torch.nn.Module | None = None) -> dict[str, str]:
         """``{name: GRAD/PARAM target in the graph}`` for the optimizer's parameters.
 
-        Graph targets are ``group{i}.param{j}``; with ``model`` the keys are the model's
-        parameter names (``fc1.weight``), for parameters the optimizer updates.
+        Graph targets are the names of ``compile``'s ``model`` for its parameters and
+        ``group{i}.param{j}`` otherwise (`param_targets`); with ``model`` the keys are the
+        model's parameter names (``fc1.weight``), for parameters the optimizer updates.
         """
-        names = self._ctx.names
-        if model is None:
-            return {t: t for t in names.values()}
-        return {n: names[id(p)] for n, p in model.named_parameters() if id(p) in names}
+        return graph_targets(self._ctx.names, model)
 
     def _broadcast(self) -> None:
         import torch.distributed as dist
@@ -534,7 +462,7 @@ class CompiledStep:
             raise
         except torch._dynamo.exc.Unsupported as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CompileError(
+            raise StepCaptureError(
                 f"dlspass.compile: the training step is not one graph (graph break: {first}); "
                 "dlspass never compiles a step partially. Take what the graph break names out "
                 "of the step (e.g. Python control flow on a tensor's value, a call dynamo cannot "
@@ -583,13 +511,16 @@ def compile(
     *,
     optimizer: torch.optim.Optimizer,
     scaler: Any | None = None,
-    fp16_type: str | None = None,
+    config: DLSConfig | None = None,
+    fp16_type: FP16Type | None = None,
     mixed_precision: bool | None = None,
     max_gradient_norm: float | None = None,
+    precision_mode: PrecisionMode | None = None,
     backend_compiler: str = "inductor",
-    graph_passes: Sequence[Callable[[fx.GraphModule], None]] = (),
+    graph_passes: Sequence[GraphPass] = (),
     process_group: Any = None,
     broadcast_params: bool = True,
+    model: torch.nn.Module | None = None,
 ) -> CompiledStep:
     """Compile a whole eager training step (forward, backward, optimizer, DLS) as one graph.
 
@@ -600,17 +531,26 @@ def compile(
     graph input read at each call (an LR scheduler never recompiles), while changing a static
     option (momentum on/off, nesterov, amsgrad, adding a param group) recompiles.
     ``scaler.found_inf`` and ``scaler.stepped(optimizer)`` follow each call without a host sync.
-    ``mixed_precision=False`` keeps the step in float32 (DLS without lowering).
     ``backend_compiler="eager"`` runs the rewritten graph without inductor (fast, for tests).
 
+    The config: the scaler's, or ``config`` (a scaler is then made from it when it scales),
+    with the keyword overrides (``fp16_type``, ``mixed_precision``, ``max_gradient_norm``,
+    ``precision_mode``; None: not given) merged by ``DLSConfig.with_overrides``, as in every
+    entry point. An override that changes what a scaler's state was built for (e.g. an
+    ``fp16_type`` with another scale range) is a ``ConfigError``: build the scaler with it.
+    Without a scaler or config the step runs in float32 without loss scaling; naming an
+    ``fp16_type`` then lowers to it. ``mixed_precision=False`` keeps the step in float32.
+
     ``graph_passes``: rewrites of the role-tagged AOT step graph run before ``apply_dls``
-    (see `CompiledStep`; ``dlspass.debug.faults.install_faults`` adds one).
+    (see `CompiledStep`; ``dlspass.debug.faults.install_faults`` adds one). ``model``: the
+    graph names the parameters of ``model`` by its parameter names (``fc1.weight``) instead of
+    ``group{i}.param{j}``, as ``capture_step`` does.
 
     Data parallelism: with ``process_group`` (a ``torch.distributed`` group, or ``True`` for
     the world) every rank runs the step on its own batch shard and the one compiled graph also
-    averages the gradients over the group (``insert_grad_allreduce``, one bucketed functional
+    averages the gradients over the group (``AllReduceGradsPass``, one bucketed functional
     all-reduce per dtype, before DLS unscales and checks them) and, for a dynamic scale,
-    all-reduces the overflow flag (``insert_flag_allreduce``), so all ranks skip together and
+    all-reduces the overflow flag (``AllReduceFlagPass``), so all ranks skip together and
     keep identical parameters and scaler state, with no graph break and no host sync. Do not
     wrap the model in DDP (the step's single-graph backward bypasses DDP's hooks). With
     ``broadcast_params`` (default) the first call copies the optimizer's parameters from the
@@ -628,14 +568,20 @@ def compile(
     if not callable(fn):
         raise StepNotCallableError(f"dlspass.compile: fn must be callable, got {type(fn).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise CompileError(
+        raise StepCaptureError(
             f"optimizer: expected a torch.optim optimizer, got {type(optimizer).__name__}; "
             f"supported: {_SUPPORTED}"
         )
-    config = resolve_config(scaler, fp16_type, mixed_precision, max_gradient_norm)
+    resolved = resolve_config(config, scaler, fp16_type=fp16_type, mixed_precision=mixed_precision,
+                              max_gradient_norm=max_gradient_norm,
+                              precision_mode=precision_mode) or NO_SCALING
     passes = list(graph_passes)
     bad = [p for p in passes if not callable(p)]
     if bad:
         raise ConfigError(f"graph_passes: expected callables taking a GraphModule, got {bad[0]!r}")
-    return CompiledStep(fn, optimizer, scaler, config, backend_compiler, passes,
-                        process_group, broadcast_params)
+    if scaler is None and config is not None and resolved.enabled:
+        from dlspass.scaler import GradScaler
+
+        scaler = GradScaler(config=resolved)
+    return CompiledStep(fn, optimizer, scaler, resolved, backend_compiler, passes,
+                        process_group, broadcast_params, model)

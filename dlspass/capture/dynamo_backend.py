@@ -27,60 +27,48 @@ from typing import TYPE_CHECKING, Any
 import torch.fx as fx
 from torch import Tensor
 
-from dlspass.config import FP16_TYPES, ConfigError, DLSConfig
+from dlspass.capture.step_config import resolve_config
+from dlspass.config import ConfigError, DLSConfig
 from dlspass.graph import roles
+from dlspass.passes.decompose_for_inductor_pass import DecomposeForInductorPass
+from dlspass.passes.lower_precision_pass import LowerPrecisionPass
+from dlspass.passes.scale_backward_pass import ScaleBackwardPass
 
 if TYPE_CHECKING:
     from dlspass.scaler import GradScaler
 
-OPTIONS = ("fp16_type", "mixed_precision", "backend_compiler")
+# the DLSConfig keys the backend reads (the loss scaling is the scaler's: make_backend(scaler=))
+CONFIG_OPTIONS = ("fp16_type", "mixed_precision", "precision_mode")
+OPTIONS = ("config", *CONFIG_OPTIONS, "backend_compiler")
 # what compiles the rewritten graphs (``dlspass.compile`` takes the same choices)
 BACKEND_COMPILERS = ("inductor", "eager")
+LOWERING = DLSConfig(loss_scale=None)
+"""The backend's config when given none: float16 lowering, no loss scaling."""
 
 
-def validate_options(options: dict[str, Any] | None) -> dict[str, Any]:
-    """The backend options with defaults filled in; unknown keys and bad values raise ConfigError."""
+def validate_options(options: dict[str, Any] | None,
+                     scaler: GradScaler | None = None) -> tuple[DLSConfig, str]:
+    """The backend's config and backend compiler from its options (and ``scaler``).
+
+    ``config`` (a ``DLSConfig``; with a scaler, the scaler's), the `CONFIG_OPTIONS` keys
+    merged into it as every entry point merges overrides (``dlspass.capture.step_config``),
+    and ``backend_compiler``. Unknown keys and bad values raise ``ConfigError``.
+    """
     opts = dict(options or {})
     unknown = sorted(set(opts) - set(OPTIONS))
     if unknown:
         raise ConfigError(f"dlspass backend: unknown option(s) {', '.join(map(repr, unknown))}; "
                           f"known: {', '.join(OPTIONS)}")
-    opts.setdefault("fp16_type", "float16")
-    opts.setdefault("mixed_precision", True)
-    opts.setdefault("backend_compiler", "inductor")
-    if opts["fp16_type"] not in FP16_TYPES:
-        raise ConfigError(f"dlspass backend: fp16_type: unknown format {opts['fp16_type']!r}; "
-                          f"choose one of {', '.join(FP16_TYPES)}")
-    if opts["backend_compiler"] not in BACKEND_COMPILERS:
+    backend_compiler = opts.pop("backend_compiler", "inductor")
+    if backend_compiler not in BACKEND_COMPILERS:
         raise ConfigError(f"dlspass backend: backend_compiler: expected one of "
-                          f"{', '.join(map(repr, BACKEND_COMPILERS))}, got {opts['backend_compiler']!r}")
-    if not isinstance(opts["mixed_precision"], bool):
-        raise ConfigError("dlspass backend: mixed_precision: expected a bool, "
-                          f"got {opts['mixed_precision']!r}")
-    return opts
-
-
-# ---- precision lowering ----------------------------------------------------------------------
-
-def lower_precision(gm: fx.GraphModule, fp16_type: str) -> fx.GraphModule:
-    """Round inputs and outputs of matmul-like ops in ``gm`` to ``fp16_type`` (LowerPrecisionPass).
-
-    The values are emulated in float32 containers (dlspass.formats), so the graph keeps its
-    dtypes and accumulation stays float32.
-    """
-    from dlspass.passes import LowerPrecisionPass
-
-    return LowerPrecisionPass(fp16_type, "emulate")(gm).graph_module
-
-
-def decompose_for_inductor(gm: fx.GraphModule) -> int:
-    """Bring the ops dlspass added to an AOT graph into inductor's op set, in place
-    (``DecomposeForInductorPass``); returns the number of nodes replaced."""
-    from dlspass.passes.decompose_for_inductor_pass import DecomposeForInductorPass
-
-    decompose = DecomposeForInductorPass()
-    decompose(gm)
-    return decompose.replaced
+                          f"{', '.join(map(repr, BACKEND_COMPILERS))}, got {backend_compiler!r}")
+    config = opts.pop("config", None)
+    if config is not None and not isinstance(config, DLSConfig):
+        raise ConfigError(f"dlspass backend: config: expected a dlspass.DLSConfig, "
+                          f"got {type(config).__name__}")
+    resolved = resolve_config(config, scaler, default=LOWERING, **opts)
+    return resolved or LOWERING, backend_compiler
 
 
 # ---- backends ----------------------------------------------------------------------------------
@@ -128,7 +116,7 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
 
         def compile_graph(g: fx.GraphModule, ex: list[Any], is_backward: bool,
                           is_inference: bool) -> Callable:
-            decompose_for_inductor(g)
+            DecomposeForInductorPass()(g)
             with inductor_config.patch({**INDUCTOR_CONFIG, **(inductor_config_extra or {})}):
                 if is_backward:
                     return cfx.compile_fx_backward(g, ex, compiler_config_extra=extra)
@@ -184,28 +172,23 @@ class DLSBackend:
     """
 
     def __init__(self, options: dict[str, Any], scaler: GradScaler | None = None) -> None:
-        self.options = validate_options(options)
+        self.config, self.backend_compiler = validate_options(options, scaler)
         self.scaler = scaler
         self.graphs: list[fx.GraphModule] = []
-        self.config = getattr(scaler, "config", None)
-        if scaler is not None and (not isinstance(self.config, DLSConfig) or not hasattr(scaler, "state")):
-            raise ConfigError(f"make_backend: scaler must be a dlspass.GradScaler, got {type(scaler).__name__}")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         bw = self._lower if self.scaler is None else self._scale_and_lower
-        return aot_backend(gm, example_inputs, self._lower, bw, self.options["backend_compiler"])
+        return aot_backend(gm, example_inputs, self._lower, bw, self.backend_compiler)
 
     def _lower(self, gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[Any], Callable]:
-        if self.options["mixed_precision"]:
-            lower_precision(gm, self.options["fp16_type"])
+        if self.config.mixed_precision:
+            LowerPrecisionPass(self.config.fp16_type, self.config.precision_mode)(gm)
         self.graphs.append(gm)
         return example_inputs, lambda compiled: compiled
 
     def _scale_and_lower(self, gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[Any], Callable]:
         """The backward graph takes the scale as one more input and returns the finite flag as
         one more output (``ScaleBackwardPass``); the wrapper feeds the one and keeps the other."""
-        from dlspass.passes.scale_backward_pass import ScaleBackwardPass
-
         scaler = self.scaler
         ScaleBackwardPass(self.config)(gm)
         example_inputs, _ = self._lower(gm, example_inputs)
@@ -230,18 +213,20 @@ def dls_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str
                 mode: str | None = None) -> Callable:
     """The ``backend="dlspass"`` entry point: lowered forward and backward graphs via AOTAutograd.
 
-    ``options``: ``fp16_type`` (float16 | bfloat16 | cbfloat16, default float16),
-    ``mixed_precision`` (False: no lowering), ``backend_compiler`` (inductor | eager).
-    A bad option is a ``ConfigError``; raised while dynamo compiles, it reaches the caller as
-    torch's ``BackendCompilerFailed`` (its ``inner_exception``); ``make_backend`` checks the
-    options when it is called instead.
+    ``options``: ``config`` (a ``DLSConfig``; default: float16 lowering), its keys
+    ``fp16_type`` (float16 | bfloat16 | cbfloat16), ``mixed_precision`` (False: no lowering)
+    and ``precision_mode`` merged into it by ``DLSConfig.with_overrides`` as in every entry
+    point, and ``backend_compiler`` (inductor | eager). A bad option is a ``ConfigError``;
+    raised while dynamo compiles, it reaches the caller as torch's ``BackendCompilerFailed``
+    (its ``inner_exception``); ``make_backend`` checks the options when it is called instead.
     """
     if mode not in (None, "default"):
         raise ConfigError(f"dlspass backend: mode={mode!r} is not supported; use options=")
     return DLSBackend(options or {})(gm, example_inputs)
 
 
-def make_backend(scaler: GradScaler | None = None, **options: Any) -> DLSBackend:
+def make_backend(scaler: GradScaler | None = None, config: DLSConfig | None = None,
+                 **options: Any) -> DLSBackend:
     """A torch.compile backend: 16-bit lowering, plus in-graph seed scaling and overflow check.
 
     With ``scaler`` (a ``dlspass.GradScaler``), the backward graph multiplies the seed by
@@ -250,15 +235,16 @@ def make_backend(scaler: GradScaler | None = None, **options: Any) -> DLSBackend
     reads and ``scaler.update`` resets (so every backward graph of a model with graph breaks, and every backward
     call of an accumulated step, counts); clipping, if configured, happens there. The gradients
     autograd accumulates are already unscaled, so do not call ``scaler.scale(loss)``; call
-    ``scaler.step(optimizer)`` and ``scaler.update()`` as usual. Options as for
-    ``dls_backend``, checked here (``ConfigError``). The returned `DLSBackend` keeps the graphs
-    it rewrote in ``graphs``.
+    ``scaler.step(optimizer)`` and ``scaler.update()`` as usual. The config is the scaler's
+    (or ``config``), with ``options`` as for ``dls_backend``, checked here (``ConfigError``;
+    an option that changes what the scaler's state was built for is refused, as in
+    ``dlspass.compile``). The returned `DLSBackend` keeps the graphs it rewrote in ``graphs``.
 
     Example:
         >>> backend = dlspass.make_backend(scaler=scaler, fp16_type="float16")
         >>> cmodel = torch.compile(model, backend=backend)
     """
-    return DLSBackend(options, scaler)
+    return DLSBackend({"config": config, **options}, scaler)
 
 
 def _fake_like(example_inputs: list[Any], t: Tensor) -> Any:

@@ -8,8 +8,8 @@ back into the user's objects.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,14 +18,31 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch._decomp import get_decompositions
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from dlspass.config import DLSConfig
-from dlspass.errors import DLSInputError
+from dlspass.capture.step_config import resolve_config
+from dlspass.capture.step_pipeline import (
+    DataParallel,
+    GraphPass,
+    StepCaptureError,
+    graph_targets,
+    param_targets,
+    run_step_pipeline,
+)
+from dlspass.config import DLSConfig, FP16Type, PrecisionMode
+from dlspass.errors import DLSPassError
 from dlspass.graph import roles
+from dlspass.graph.clone import clone_step_graph
 from dlspass.graph.marks import resolve_marks
 from dlspass.graph.step_io import StepIO, mark_backward, mark_grads, safe_name, tag_step_io
 from dlspass.passes.base import PassContractError
+from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 from dlspass.passes.drop_copy_back_pass import DropCopyBackPass
 from dlspass.scale_policy import STATE_FIELDS, ScalerState, init_state
 
@@ -34,8 +51,16 @@ from dlspass.scale_policy import STATE_FIELDS, ScalerState, init_state
 _DECOMPOSITIONS = get_decompositions([torch.ops.aten.native_batch_norm.default])
 
 
-class CaptureError(DLSInputError, RuntimeError):
-    """The training step cannot be captured as one graph; the message says why."""
+CaptureError = StepCaptureError
+"""The name ``capture_step``'s error had before `StepCaptureError` (the same class)."""
+
+
+def _tracing_errors() -> tuple[type[BaseException], ...]:
+    """What torch raises when it cannot trace a step that runs eagerly: the step's fault."""
+    from torch._dynamo.exc import Unsupported, UserError  # dynamo loads on first capture only
+
+    return (Unsupported, UserError, torch.fx.proxy.TraceError, GuardOnDataDependentSymNode,
+            DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
 
 class _LossModule(nn.Module):
@@ -77,14 +102,10 @@ class StepLayout:
                 + len(self.hyper) + sum(self.batch_is_tensor))
 
 
-def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
-
-
 def _check_params(model: nn.Module) -> None:
     for name, p in model.named_parameters():
         if not p.is_floating_point():
-            raise CaptureError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be trained")
+            raise StepCaptureError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be trained")
 
 
 def _split_batch(batch: Any) -> tuple[list[Any], pytree.TreeSpec, list[bool]]:
@@ -121,7 +142,7 @@ def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
     from dlspass.capture.optim import functionalize
 
     _check_params(model)
-    names = _param_names(model)
+    names = param_targets(optimizer, model)
     fopt = functionalize(optimizer, names)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -132,7 +153,7 @@ def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
     updated = [n for n in params if n in in_opt]
     leaves, spec, is_tensor = _split_batch(example_batch)
     if not any(is_tensor):
-        raise CaptureError("the example batch holds no tensor")
+        raise StepCaptureError("the example batch holds no tensor")
     layout = StepLayout(
         params=list(params), trainable=trainable, buffers=list(buffers), opt_state=list(opt_state),
         hyper=list(hyper), batch_spec=spec, batch_consts=[x for x, t in zip(leaves, is_tensor, strict=True) if not t],
@@ -154,16 +175,18 @@ def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
             # clones inside the transform: BatchNorm may update running statistics in place
             b = {k: v.clone() for k, v in b_in.items()}
             state = {f"model.{k}": v for k, v in {**p_train, **frozen, **b}.items()}
-            loss = torch.func.functional_call(wrapper, state, (batch,))
+            with _users_code("the loss function"):
+                loss = torch.func.functional_call(wrapper, state, (batch,))
             return loss, b
 
         loss, vjp_fn, new_b = torch.func.vjp(forward, {k: p_in[k] for k in trainable}, has_aux=True)
         if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-            raise CaptureError(
+            raise StepCaptureError(
                 f"loss_fn must return a scalar floating-point tensor, got "
                 f"{type(loss).__name__ if not isinstance(loss, Tensor) else f'{loss.dtype} of shape {tuple(loss.shape)}'}")
         loss, seed = mark_backward(loss)
-        (grads,) = vjp_fn(seed)
+        with _users_code("the backward of the loss"):
+            (grads,) = vjp_fn(seed)
         grads = mark_grads({k: g for k, g in grads.items() if k in in_opt and k not in unused})
         new_p, new_o = fopt.update({k: p_in[k] for k in updated}, grads, o_in, h_in)
         return (*[new_p[k] for k in updated], *[new_b[k] for k in layout.buffers],
@@ -175,43 +198,116 @@ def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
     try:
         gm = make_fx(torch.func.functionalize(flat_step, remove="mutations"),
                      tracing_mode="fake", decomposition_table=_DECOMPOSITIONS)(*flat_in)
-    except CaptureError:
-        raise
-    except Exception as e:  # dynamic shapes / data-dependent control flow surface here
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "data-dependent" in msg.lower() or "DataDependent" in type(e).__name__:
-            raise CaptureError(
-                "the step uses Python control flow on tensor values (e.g. `if loss > 0:`), which "
-                f"one graph cannot capture; use torch.where instead ({type(e).__name__}: {msg})") from e
-        raise CaptureError(f"could not trace the training step: {type(e).__name__}: {msg}") from e
+    except _tracing_errors() as e:  # anything else raised here is dlspass's own (internal)
+        raise _trace_error(e) from e
     try:
         DropCopyBackPass()(gm)
     except PassContractError as e:  # a copy functionalize could not remove: the user's step
-        raise CaptureError(str(e)) from e
+        raise StepCaptureError(str(e)) from e
     resolve_marks(gm)
     tag_step_io(gm, io, name=lambda role, target: safe_name(f"{role}__{target}"))
     return gm, layout, fopt
+
+
+@contextlib.contextmanager
+def _users_code(what: str) -> Iterator[None]:
+    """Report what the user's code (``what``) raised while traced as a `StepCaptureError`."""
+    try:
+        yield
+    except DLSPassError:  # dlspass's own errors keep their family (an input or internal error)
+        raise
+    except Exception as e:  # the user's model and loss raise whatever they raise
+        raise _trace_error(e, what) from e
+
+
+def _trace_error(e: BaseException, what: str = "torch") -> StepCaptureError:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "data-dependent" in msg.lower() or "DataDependent" in type(e).__name__:
+        return StepCaptureError(
+            "the step uses Python control flow on tensor values (e.g. `if loss > 0:`), which "
+            f"one graph cannot capture; use torch.where instead ({type(e).__name__}: {msg})")
+    return StepCaptureError(f"could not trace the training step: {what} raised "
+                            f"{type(e).__name__}: {msg}")
 
 
 class CapturedStep:
     """One training step as a graph: ``loss = step(batch)`` updates everything in place.
 
     Attributes: ``graph_module`` (the rewritten FX GraphModule), ``scaler`` (a
-    ``dlspass.GradScaler`` holding the DLS state), ``config``, ``layout``.
+    ``dlspass.GradScaler`` holding the DLS state), ``config``, ``layout``, ``num_calls`` (the
+    calls so far; advanced before the graph runs, so a provider reads the step index + 1).
+
+    Hooks, as on ``dlspass.compile``'s step (`run_step_pipeline` runs both):
+
+    - ``graph_passes``: callables ``pass(gm)`` that rewrite the role-tagged step graph in
+      place before the collectives and ``apply_dls`` (``dlspass.debug.faults`` adds one);
+    - ``extra_inputs``: ``{target: provider}``. A pass may append placeholders (role
+      ``input``, target ``target``); the graph then gets ``provider()`` for each at every call.
+
+    Changing them takes effect at the next call, or at once with `rebuild` (which runs the
+    pipeline again on the traced graph and, with ``compile``, compiles the result).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, gm: fx.GraphModule,
-                 layout: StepLayout, fopt: Any, scaler: Any, config: DLSConfig | None) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, traced: fx.GraphModule,
+                 layout: StepLayout, fopt: Any, scaler: Any, config: DLSConfig | None, *,
+                 compile: bool = False, graph_passes: Sequence[GraphPass] = (),
+                 data_parallel: DataParallel | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.graph_module = gm
         self.layout = layout
         self.config = config
         self.scaler = scaler
+        self.compile = compile
+        self.graph_passes: list[GraphPass] = list(graph_passes)
+        self.extra_inputs: dict[str, Callable[[], Tensor]] = {}
+        self.num_calls = 0
         self._fopt = fopt
         self._static = fopt.static_signature()
-        self._runner: Callable[..., Any] = gm
-        self.num_calls = 0
+        self._names = param_targets(optimizer, model)
+        self._traced = traced  # tagged, before any pass: what `rebuild` starts from
+        self._data_parallel = data_parallel
+        # (graph, runner, the hooks it was built for) by the hooks' ids; holding the hooks
+        # keeps their ids from being reused
+        self._builds: dict[tuple, tuple[fx.GraphModule, Callable[..., Any], tuple]] = {}
+        self._built_for: tuple = ()
+        self.rebuild()
+
+    def _hooks(self) -> tuple[tuple, tuple]:
+        """The hooks a build depends on, and a key for them (by identity: a pass need not be
+        hashable)."""
+        hooks = (*self.graph_passes, *self.extra_inputs.values())
+        return hooks, (tuple(map(id, hooks)), tuple(self.extra_inputs), self.compile)
+
+    def rebuild(self) -> None:
+        """Run the step pipeline for the current ``graph_passes``, ``extra_inputs`` and
+        ``compile`` (a combination built before is reused, not rebuilt)."""
+        hooks, key = self._hooks()
+        if key not in self._builds:
+            gm, added = run_step_pipeline(clone_step_graph(self._traced), self.config,
+                                          graph_passes=self.graph_passes,
+                                          data_parallel=self._data_parallel,
+                                          extra_inputs=self.extra_inputs)
+            providers = [self.extra_inputs[t] for t in added]
+            runner: Callable[..., Any] = gm
+            if self.compile:
+                runner = _inductor(gm, [*self._example_inputs(), *(p() for p in providers)])
+            if providers:
+                runner = _feeding(runner, providers)
+            self._builds[key] = (gm, runner, hooks)
+        self.graph_module, self._runner, _ = self._builds[key]
+        self._built_for = key
+
+    def graph_targets(self, model: nn.Module | None = None) -> dict[str, str]:
+        """``{name: GRAD/PARAM target in the graph}`` for the parameters the graph updates or
+        reads; with ``model`` the keys are the model's parameter names (`param_targets`)."""
+        return graph_targets(self._names, model)
+
+    def _example_inputs(self) -> list[Tensor]:
+        """Inputs like the captured example's (zeros for the batch), to compile with."""
+        vals = [ph.meta["val"] for ph in self._traced.graph.find_nodes(op="placeholder")
+                if roles.role_of(ph) == roles.INPUT]
+        return self._inputs_for([torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
+                                                     device=v.device).zero_() for v in vals])
 
     def _inputs_for(self, batch_leaves: list[Tensor]) -> list[Tensor]:
         model = self.model
@@ -220,7 +316,7 @@ class CapturedStep:
         ost = self._fopt.state_tensors()
         hyp = self._fopt.hyper_tensors()
         if list(ost) != self.layout.opt_state or list(hyp) != self.layout.hyper:
-            raise CaptureError("the optimizer's state layout changed since capture; capture the step again")
+            raise StepCaptureError("the optimizer's state layout changed since capture; capture the step again")
         return [*(params[k].detach() for k in self.layout.params),
                 *(buffers[k] for k in self.layout.buffers), *ost.values(), *self.scaler.state,
                 *hyp.values(), *batch_leaves]
@@ -228,21 +324,23 @@ class CapturedStep:
     def _batch_leaves(self, batch: Any) -> list[Tensor]:
         leaves, spec, is_tensor = _split_batch(batch)
         if spec != self.layout.batch_spec or is_tensor != self.layout.batch_is_tensor:
-            raise CaptureError(f"batch structure {spec} differs from the captured {self.layout.batch_spec}")
+            raise StepCaptureError(f"batch structure {spec} differs from the captured {self.layout.batch_spec}")
         consts = [x for x, t in zip(leaves, is_tensor, strict=True) if not t]
         if consts != self.layout.batch_consts:
-            raise CaptureError("non-tensor batch values differ from the captured ones; capture again")
+            raise StepCaptureError("non-tensor batch values differ from the captured ones; capture again")
         return [x for x in leaves if isinstance(x, Tensor)]
 
     def __call__(self, batch: Any) -> Tensor:
         if self._fopt.static_signature() != self._static:
-            raise CaptureError("an optimizer option baked into the graph changed (e.g. nesterov, "
-                               "amsgrad); capture the step again")
+            raise StepCaptureError("an optimizer option baked into the graph changed (e.g. nesterov, "
+                                   "amsgrad); capture the step again")
+        if self._hooks()[1] != self._built_for:
+            self.rebuild()
         flat = self._inputs_for(self._batch_leaves(batch))
+        self.num_calls += 1
         with torch.no_grad():
             out = list(self._runner(*flat))
         self._write_back(out)
-        self.num_calls += 1
         return out[-1]
 
     def _write_back(self, out: list[Tensor]) -> None:
@@ -259,14 +357,23 @@ class CapturedStep:
         self.scaler.state = ScalerState(*[next(it) for _ in STATE_FIELDS])
 
 
+def _feeding(runner: Callable[..., Any], providers: list[Callable[[], Tensor]]) -> Callable[..., Any]:
+    """``runner`` with each provider's value appended to its inputs at every call (read when
+    the graph runs, so changing them never recompiles)."""
+    def run(*flat: Tensor) -> Any:
+        return runner(*flat, *(p() for p in providers))
+
+    return run
+
+
 def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    from dlspass.formats import INDUCTOR_CONFIG, decompose_rounding
+    from dlspass.formats import INDUCTOR_CONFIG
 
-    gm = copy.deepcopy(gm)  # the rewritten graph stays inspectable, with its rounding op
-    decompose_rounding(gm, form="cast")
+    gm = clone_step_graph(gm)  # the rewritten graph stays inspectable, with its rounding op
+    DecomposeRoundingPass(form="cast")(gm)
     with inductor_config.patch(INDUCTOR_CONFIG):
         return compile_fx(gm, example)
 
@@ -284,18 +391,26 @@ def capture_step(
     example_batch: Any,
     config: DLSConfig | None = None,
     *,
+    fp16_type: FP16Type | None = None,
+    mixed_precision: bool | None = None,
+    max_gradient_norm: float | None = None,
+    precision_mode: PrecisionMode | None = None,
     compile: bool = False,
-    precision_mode: str = "emulate",
+    graph_passes: Sequence[GraphPass] = (),
     process_group: Any = None,
     agree_flag: bool = True,
 ) -> CapturedStep:
     """Capture ``loss_fn(model, batch)`` + backward + ``optimizer`` as one graph, with DLS.
 
-    ``config=None`` means fp32 with no scaling (the pipeline only captures). The returned
-    step runs eagerly by default and through inductor with ``compile=True``. With
+    ``config=None`` means fp32 with no scaling (the pipeline only captures). The keyword
+    overrides (``fp16_type``, ``mixed_precision``, ``max_gradient_norm``, ``precision_mode``;
+    None: not given) merge into ``config`` by ``DLSConfig.with_overrides``, as in every entry
+    point (without a config, naming an ``fp16_type`` asks for lowering to it). The returned
+    step runs eagerly by default and through inductor with ``compile=True``. ``graph_passes``
+    rewrite the role-tagged step graph before DLS (see `CapturedStep`). With
     ``process_group`` (e.g. ``torch.distributed.group.WORLD``) the graph averages gradients
     over the group and agrees on the overflow flag with functional collectives, so one graph
-    is one data-parallel step (``None``: no collectives).
+    is one data-parallel step (``None``: no collectives; see `capture_step_distributed`).
 
     Example:
         >>> import torch, dlspass
@@ -308,14 +423,60 @@ def capture_step(
         >>> float(step.scaler.get_scale())
         32768.0
     """
+    config = resolve_config(config, default=None, fp16_type=fp16_type,
+                            mixed_precision=mixed_precision, max_gradient_norm=max_gradient_norm,
+                            precision_mode=precision_mode)
     if process_group is not None:
-        from dlspass.distributed import capture_step_distributed
-
         return capture_step_distributed(
             model, loss_fn, optimizer, example_batch, config, process_group=process_group,
-            agree_flag=agree_flag, compile=compile, precision_mode=precision_mode)
+            agree_flag=agree_flag, compile=compile, graph_passes=graph_passes)
     return build_step(model, loss_fn, optimizer, example_batch, config, compile=compile,
-                      precision_mode=precision_mode)
+                      graph_passes=graph_passes)
+
+
+def capture_step_distributed(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], Tensor],
+    optimizer: torch.optim.Optimizer,
+    example_batch: Any,
+    config: DLSConfig | None = None,
+    *,
+    process_group: Any = None,
+    agree_flag: bool = True,
+    broadcast_params: bool = True,
+    compile: bool = False,
+    graph_passes: Sequence[GraphPass] = (),
+    fp16_type: FP16Type | None = None,
+    mixed_precision: bool | None = None,
+    max_gradient_norm: float | None = None,
+    precision_mode: PrecisionMode | None = None,
+) -> CapturedStep:
+    """`capture_step` for data parallelism: one graph = step + gradient all-reduce.
+
+    Every rank captures the same step on its own batch shard; the graph averages the gradients
+    over ``process_group`` (default: the world) before DLS unscales and checks them, so ranks
+    stay identical, as under DDP. As DDP does at construction, ``broadcast_params`` first copies
+    the parameters and buffers of the group's first rank to all ranks. With ``agree_flag`` the
+    overflow flag is all-reduced too. The config and its overrides as in `capture_step`.
+    """
+    import torch.distributed as dist
+
+    from dlspass.distributed import DistributedSetupError
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistributedSetupError("capture_step_distributed: torch.distributed is not initialised")
+    config = resolve_config(config, default=None, fp16_type=fp16_type,
+                            mixed_precision=mixed_precision, max_gradient_norm=max_gradient_norm,
+                            precision_mode=precision_mode)
+    if broadcast_params:
+        group = process_group if process_group is not None else dist.group.WORLD
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=src, group=group)
+    return build_step(model, loss_fn, optimizer, example_batch, config, compile=compile,
+                      graph_passes=graph_passes,
+                      data_parallel=DataParallel(process_group, agree_flag))
 
 
 def build_step(
@@ -326,21 +487,11 @@ def build_step(
     config: DLSConfig | None,
     *,
     compile: bool = False,
-    precision_mode: str = "emulate",
-    before_dls: Callable[[fx.GraphModule], None] | None = None,
-    after_dls: Callable[[fx.GraphModule], None] | None = None,
+    graph_passes: Sequence[GraphPass] = (),
+    data_parallel: DataParallel | None = None,
 ) -> CapturedStep:
-    """Trace, run ``before_dls``, ``apply_dls``, ``after_dls``, and wrap as a ``CapturedStep``
-    (through inductor with ``compile``): the one assembly line of every captured step."""
-    from dlspass.passes import apply_dls
-
+    """Trace the step and wrap it as a ``CapturedStep``, which runs the step pipeline
+    (`run_step_pipeline`) on it: the one assembly line of every captured step."""
     gm, layout, fopt = trace_step(model, loss_fn, optimizer, example_batch, config)
-    if before_dls is not None:
-        before_dls(gm)
-    gm = apply_dls(gm, config, precision_mode=precision_mode)
-    if after_dls is not None:
-        after_dls(gm)
-    step = CapturedStep(model, optimizer, gm, layout, fopt, _make_scaler(config), config)
-    if compile:
-        step._runner = _inductor(gm, step._inputs_for(step._batch_leaves(example_batch)))
-    return step
+    return CapturedStep(model, optimizer, gm, layout, fopt, _make_scaler(config), config,
+                        compile=compile, graph_passes=graph_passes, data_parallel=data_parallel)

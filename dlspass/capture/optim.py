@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dlspass.errors import DLSInputError, InputKeyError, InputValueError
+from dlspass.errors import InputKeyError, InputTypeError, InputValueError
 from dlspass.files.bounded_text import excerpt
 
 # the torch.optim classes with a functional twin here: the one list capture_step, dlspass.compile
@@ -50,8 +50,8 @@ OPTIMIZER_KINDS = tuple(name.lower() for name in SUPPORTED_OPTIMIZERS)
 _HYPER_DTYPE = torch.float64
 
 
-class UnsupportedOptimizerError(DLSInputError, TypeError):
-    """The optimizer (or one of its options) has no functional twin in dlspass."""
+# the optimizer (or one of its options) has no functional twin in dlspass
+UnsupportedOptimizerError = InputTypeError
 
 
 def _unwrapped_step(cls: type) -> Any:

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 import typer
 
-from dlspass.config import FP16_TYPES, PRECISION_MODES
+from dlspass.config import FP16_TYPES
 from dlspass.errors import DLSInputError, InputValueError
 from dlspass.files.bounded_text import excerpt, one_line
 
@@ -223,8 +223,9 @@ def transform(
     mixed_precision: Annotated[bool | None, typer.Option(
         "--mixed-precision/--no-mixed-precision",
         help="Run matmuls in the 16-bit format (default) or keep fp32 (DLS only).")] = None,
-    precision_mode: Annotated[str, typer.Option(
-        help="emulate: round in an fp32 container; native: real float16/bfloat16 casts.")] = "emulate",
+    precision_mode: Annotated[str | None, typer.Option(
+        help="emulate (default): round in an fp32 container; native: real float16/bfloat16 "
+             "casts.")] = None,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 0.01,
     momentum: Annotated[float, typer.Option(help="SGD momentum.")] = 0.0,
@@ -250,20 +251,15 @@ def transform(
 
     Example: dlspass transform mlp.pt2 -o step.pt2 --optimizer adam --lr 1e-3
     """
-    import dataclasses
-
     from dlspass.capture.joint_step import ROUNDINGS, transform_program
     from dlspass.capture.optim import OptimizerSpec
     from dlspass.capture.pt2_io import load_program, save_program
-    from dlspass.config import DLSConfig
+    from dlspass.config import ConfigError, DLSConfig
     from dlspass.files.paths import check_input_file, check_output_path
 
     if fp16_type is not None and fp16_type not in FP16_TYPES:
         raise typer.BadParameter(f"expected one of {', '.join(FP16_TYPES)}, got {excerpt(fp16_type)}",
                                  param_hint="--fp16-type")
-    if precision_mode not in PRECISION_MODES:
-        raise typer.BadParameter(f"expected {' or '.join(PRECISION_MODES)}, got {excerpt(precision_mode)}",
-                                 param_hint="--precision-mode")
     if rounding not in ROUNDINGS:
         raise typer.BadParameter(f"expected {' or '.join(ROUNDINGS)}, got {excerpt(rounding)}",
                                  param_hint="--rounding")
@@ -278,23 +274,23 @@ def transform(
     opt = OptimizerSpec(kind=optimizer, **opt_values)
     src = check_input_file(input)
     out = check_output_path(output, (f".{fmt}",))
-    if config is not None:
-        cfg = DLSConfig.from_yaml(str(config))
-        overrides: dict[str, Any] = {}
-        if fp16_type is not None:
-            overrides["fp16_type"] = fp16_type
-        if loss_scale is not None:
-            overrides["loss_scale"] = scale
-        if max_gradient_norm is not None:
-            overrides["max_gradient_norm"] = max_gradient_norm
-        if mixed_precision is not None:
-            overrides["mixed_precision"] = mixed_precision
-        cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
-    else:
-        cfg = DLSConfig(loss_scale="dynamic" if loss_scale is None else scale,
-                        fp16_type=fp16_type or "float16",
-                        mixed_precision=True if mixed_precision is None else mixed_precision,
-                        max_gradient_norm=max_gradient_norm)
+    # the flags given, merged into --config (or the defaults) by the one rule of every entry point
+    flag_of = {"fp16_type": "--fp16-type", "loss_scale": "--loss-scale",
+               "max_gradient_norm": "--max-gradient-norm", "mixed_precision": "--mixed-precision",
+               "precision_mode": "--precision-mode"}
+    overrides: dict[str, Any] = {k: v for k, v in (
+        ("fp16_type", fp16_type), ("max_gradient_norm", max_gradient_norm),
+        ("mixed_precision", mixed_precision), ("precision_mode", precision_mode)) if v is not None}
+    if loss_scale is not None:  # `--loss-scale none` is given, as None: scaling off
+        overrides["loss_scale"] = scale
+    base = DLSConfig.from_yaml(str(config)) if config is not None else DLSConfig()
+    try:
+        cfg = base.with_overrides(**overrides)
+    except ConfigError as e:  # the config's own check, reported against the flag
+        key = next((k for k in overrides if str(e).startswith(f"{k}:")), None)
+        if key is None:
+            raise
+        raise typer.BadParameter(str(e), param_hint=flag_of[key]) from None
     if src.suffix == ".onnx":
         from dlspass.onnx.convert import transform_onnx
 
@@ -305,7 +301,7 @@ def transform(
         return
     ep, meta = load_program(src)
     # ONNX output keeps the op here: save_step_onnx writes it in its float-arithmetic form
-    step, step_meta = transform_program(ep, meta, cfg, opt, precision_mode=precision_mode,
+    step, step_meta = transform_program(ep, meta, cfg, opt, precision_mode=cfg.precision_mode,
                                         source=str(src), rounding="op" if fmt == "onnx" else rounding)
     if fmt == "onnx":
         from dlspass.onnx.convert import save_step_onnx

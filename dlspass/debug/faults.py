@@ -6,24 +6,26 @@ A `Fault` says *when* (the 0-based step index), *where* (``kind`` and ``target``
 - eager training: `EagerFaultInjector` puts hooks on the model (a tensor hook on a parameter
   for its gradient, a forward hook on a module for its output) and multiplies the loss by the
   value through ``injector.loss(loss)``; the step index is a host int, so no sync is added;
-- captured steps (`dlspass.capture_step`): `inject_faults` runs the graph pass
-  `dlspass.passes.inject_faults_pass.InjectFaultsPass` on the role-tagged step graph. It adds
-  one placeholder, the step counter (0-d int64, role ``input``, target ``fault_step``), and for each faulted node inserts ``where(fault_step == k, value, x)`` and
-  re-points every user of ``x`` at it. Gradients are the ``grad`` nodes of the parameter; the
-  loss is the backward seed (the captured backward starts from ``ones_like(loss)``, so faulting
-  the loss value alone would change nothing downstream; faulting the seed is what ``loss * inf``
-  does in eager); activations are nodes named as in ``graph_module.graph``;
-- compiled steps: `install_faults(step, faults, compile=True)` compiles the injected graph with
-  inductor, the step counter being an ordinary graph input (no recompilation per step);
-- steps compiled by ``dlspass.compile``: `install_faults(step, faults)` (before the step's
-  first call) adds `compiled_fault_pass` to the step's ``graph_passes``: the same injection on
-  the AOT step graph, before ``apply_dls``, whose ``fault_step`` placeholder the step feeds
-  from ``step.extra_inputs`` (its call index) at every call; no graph break, no recompilation.
-  Gradient targets are the step's graph names (``group0.param1``) or, with ``model=``, the
-  model's parameter names; activation targets are node names of the AOT graph (see
-  ``step.graphs``). A faulted gradient's last ``where`` takes over its GRAD role, so the DLS
-  passes unscale and check the faulted value. Loss faults can also go through a tensor
-  argument (`loss_multiplier`).
+- step graphs: `inject_faults` runs the graph pass
+  `dlspass.passes.inject_faults_pass.InjectFaultsPass` on a role-tagged step graph. It adds
+  one placeholder, the step counter (0-d int64, role ``input``, target ``fault_step``), and for
+  each faulted node inserts ``where(fault_step == k, value, x)`` and re-points every user of
+  ``x`` at it. Gradients are the ``grad`` nodes of the parameter; the loss is the backward seed
+  (the captured backward starts from ``ones_like(loss)``, so faulting the loss value alone would
+  change nothing downstream; faulting the seed is what ``loss * inf`` does in eager);
+  activations are nodes named as in the step's graph;
+- captured and compiled steps (`dlspass.capture_step`, ``dlspass.compile``):
+  `install_faults(step, faults)` adds `compiled_fault_pass` to the step's ``graph_passes``
+  (the same injection, before ``apply_dls``) and feeds its ``fault_step`` placeholder from
+  ``step.extra_inputs`` (the step's call count) at every call: the step counter is an ordinary
+  graph input, so there is no recompilation per step (``compile=True`` compiles a captured
+  step's injected graph with inductor). A ``dlspass.compile`` step takes it before its first
+  call. Gradient targets are the step's graph names (the model's parameter names, or
+  ``group0.param1`` for a ``dlspass.compile`` step without ``model=``) or, with ``model=``, the
+  model's parameter names; activation targets are node names of the step's graph (see
+  ``step.graph_module`` or ``step.graphs``). A faulted gradient's last ``where`` takes over its
+  GRAD role, so the DLS passes unscale and check the faulted value. Loss faults can also go
+  through a tensor argument (`loss_multiplier`).
 
 A fault whose value cannot reach the gradients is not an overflow (``-inf`` into the input of
 a ReLU becomes 0); use ``inf`` or ``nan`` for activations.
@@ -31,7 +33,6 @@ a ReLU becomes 0); use ``inf`` or ``nan`` for activations.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import random
@@ -44,7 +45,6 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from dlspass.errors import InputValueError
-from dlspass.graph import roles
 from dlspass.graph.roles import FAULT_STEP
 
 KINDS = ("grad", "activation", "loss")
@@ -252,67 +252,89 @@ def inject_faults(gm: fx.GraphModule, faults: Iterable[Fault]) -> fx.GraphModule
 
 
 class FaultSchedule:
-    """What `install_faults` returns: the faults, the injected graph and a way to undo it.
+    """What `install_faults` returns: the faults, the injected graph and a way to undo them.
 
     ``enabled = False`` runs the same (possibly compiled) code with a step counter of -1, which
-    no fault matches: the fault-free reference of exactly the same kernels.
+    no fault matches: the fault-free reference of exactly the same kernels. ``graph_module``
+    is the injected graph of a `dlspass.CapturedStep` (a ``dlspass.compile`` step keeps its
+    graphs in ``step.graphs``, made at its first call).
     """
 
-    def __init__(self, step: Any, faults: list[Fault], gm: fx.GraphModule, previous: Any) -> None:
+    def __init__(self, step: Any, faults: list[Fault], fault_pass: Callable[[fx.GraphModule], None],
+                 previous_compile: bool | None) -> None:
         self.step = step
         self.faults = faults
-        self.graph_module = gm
-        self._previous = previous
+        self.graph_module: fx.GraphModule | None = None
         self.enabled = True
+        self._pass = fault_pass
+        self._previous_compile = previous_compile
 
     @property
     def faulted_steps(self) -> set[int]:
         return faulted_steps(self.faults)
 
     def remove(self) -> None:
-        """Run the un-faulted graph again."""
-        self.step._runner = self._previous
+        """Take the faults out: a captured step runs its un-faulted graph again; a
+        ``dlspass.compile`` step keeps its one graph and runs it with the faults disabled."""
+        if self._previous_compile is None:
+            self.enabled = False
+            return
+        self.step.graph_passes.remove(self._pass)
+        del self.step.extra_inputs[FAULT_STEP]
+        self.step.compile = self._previous_compile
+        self.step.rebuild()
 
 
 def install_faults(step: Any, faults: Iterable[Fault], *, compile: bool = False,
                    model: nn.Module | None = None) -> FaultSchedule:
     """Make a `dlspass.CapturedStep` or a ``dlspass.compile`` step fire ``faults``.
 
-    The step's call count is the step index (0 for the first call after installing).
-    CapturedStep: the step's own graph is not changed: a copy is injected (and compiled by
-    inductor with ``compile=True``) and replaces the runner; ``schedule.remove()`` restores it.
-    ``dlspass.compile`` step (`CompiledStep`): install before its first call (the injection
-    becomes part of its one graph); ``compile`` is ignored (the step has its own backend),
-    ``model`` lets gradient faults name the model's parameters, ``schedule.remove()`` disables
-    the faults.
+    Both steps take the injection through their ``graph_passes`` hook (`compiled_fault_pass`,
+    on the role-tagged step graph before ``apply_dls``) and feed its ``fault_step`` input from
+    their ``extra_inputs``: the step index is the step's call count (0 for its first call).
+    ``model`` lets gradient faults name the model's parameters where the step's graph names
+    them otherwise (``step.graph_targets``).
+
+    CapturedStep: rebuilt at once, with inductor when ``compile=True``; the graph it ran before
+    is kept, and ``schedule.remove()`` brings it back. ``dlspass.compile`` step (`CompiledStep`):
+    install before its first call (the injection becomes part of its one graph); ``compile`` is
+    ignored (the step has its own backend), ``schedule.remove()`` disables the faults.
     """
     from dlspass.capture.compiled_step import CompiledStep
 
     faults = list(faults)
-    if isinstance(step, CompiledStep):
-        return _install_compiled(step, faults, model)
-    from dlspass.capture.functional import _inductor
+    compiled = isinstance(step, CompiledStep)
+    if compiled and step.graphs:
+        raise FaultError("install_faults: this dlspass.compile step was already called (and "
+                         "compiled); install faults before its first call")
+    if FAULT_STEP in step.extra_inputs:
+        raise FaultError("install_faults: this step already has faults installed")
+    names = step.graph_targets(model)
+    for f in faults:
+        if f.kind == "grad" and f.target not in names:
+            raise FaultError(f"grad fault: the step has no parameter {f.target!r} "
+                             f"(parameters: {', '.join(sorted(names))})")
+    device = next((p.device for g in step.optimizer.param_groups for p in g["params"]),
+                  torch.device("cpu"))
+    fault_pass = compiled_fault_pass(faults, names)
+    schedule = FaultSchedule(step, faults, fault_pass, None if compiled else step.compile)
 
-    gm = inject_faults(copy.deepcopy(step.graph_module), faults)
-    runner: Any = gm
-    if compile:
-        runner = _inductor(gm, [*_example_inputs(step), torch.zeros((), dtype=torch.int64)])
-    previous = step._runner
+    def fault_step() -> Tensor:
+        # num_calls is advanced before the graph runs: a step's first call is 0
+        k = step.num_calls - 1 if schedule.enabled else -1
+        return torch.tensor(k, dtype=torch.int64, device=device)
 
-    def run(*flat: Tensor) -> Any:
-        k = step.num_calls if schedule.enabled else -1
-        return runner(*flat, torch.tensor(k, dtype=torch.int64))
-
-    schedule = FaultSchedule(step, faults, gm, previous)
-    step._runner = run
+    step.extra_inputs[FAULT_STEP] = fault_step
+    step.graph_passes.append(fault_pass)
+    if not compiled:
+        step.compile = compile
+        try:
+            step.rebuild()
+        except BaseException:
+            schedule.remove()
+            raise
+        schedule.graph_module = step.graph_module
     return schedule
-
-
-def _example_inputs(step: Any) -> list[Tensor]:
-    fake_batch = [torch.zeros(ph.meta["val"].shape, dtype=ph.meta["val"].dtype)
-                  for ph in step.graph_module.graph.find_nodes(op="placeholder")
-                  if roles.role_of(ph) == roles.INPUT]
-    return step._inputs_for(fake_batch)
 
 
 # ---- dlspass.compile steps ---------------------------------------------------------------------
@@ -337,35 +359,3 @@ def compiled_fault_pass(faults: Iterable[Fault],
         rewrite(gm)
 
     return run
-
-
-class _CompiledFaultSchedule(FaultSchedule):
-    def remove(self) -> None:
-        """Disable the faults (they are part of the step's one graph)."""
-        self.enabled = False
-
-
-def _install_compiled(step: Any, faults: list[Fault], model: nn.Module | None) -> FaultSchedule:
-    if step.graphs:
-        raise FaultError("install_faults: this dlspass.compile step was already called (and "
-                         "compiled); install faults before its first call")
-    if FAULT_STEP in step.extra_inputs:
-        raise FaultError("install_faults: this step already has faults installed")
-    names = step.graph_targets(model)
-    for f in faults:
-        if f.kind == "grad" and f.target not in names:
-            raise FaultError(f"grad fault: the step has no parameter {f.target!r} "
-                             f"(parameters: {', '.join(sorted(names))})")
-    device = next((p.device for g in step.optimizer.param_groups for p in g["params"]),
-                  torch.device("cpu"))
-    first = step.num_calls
-    schedule = _CompiledFaultSchedule(step, faults, None, None)  # type: ignore[arg-type]
-
-    def fault_step() -> Tensor:
-        # num_calls is advanced before the graph runs: the first call after installing is 0
-        k = step.num_calls - 1 - first if schedule.enabled else -1
-        return torch.tensor(k, dtype=torch.int64, device=device)
-
-    step.extra_inputs[FAULT_STEP] = fault_step
-    step.graph_passes.append(compiled_fault_pass(faults, names))
-    return schedule

@@ -168,7 +168,7 @@ class _Watcher(fx.Interpreter):
         self.checked += 1
         if _has_nonfinite(result):
             self.bad.add(n)
-            injected = roles.role_of(n) == "fault"
+            injected = _injected(n)
             fresh = not any(i in self.bad for i in n.all_input_nodes)
             if self.origin is None and (injected or (fresh and not _nonfinite_literal(n.args))):
                 self.origin = n
@@ -180,6 +180,12 @@ class _Watcher(fx.Interpreter):
         if roles.role_of(n) == roles.LOSS and self.loss_finite is None:
             self.loss_finite = not _has_nonfinite(result)
         return result
+
+
+def _injected(n: fx.Node) -> bool:
+    """A node fault injection made: role ``fault``, or a faulted gradient that took over the
+    GRAD role (``InjectFaultsPass(move_roles=True)``, as the steps' ``graph_passes`` run it)."""
+    return roles.role_of(n) == "fault" or roles.pass_of(n) == "inject_faults"
 
 
 def localize_graph(gm: fx.GraphModule, inputs: Iterable[Tensor]) -> OverflowReport:
@@ -197,7 +203,7 @@ def localize_graph(gm: fx.GraphModule, inputs: Iterable[Tensor]) -> OverflowRepo
         rep.module, rep.module_source = _module_of(n)
         rep.stack_trace = _last_frame(n)
         target = roles.target_of(n)
-        if rep.role == "fault" and target in w.params:
+        if _injected(n) and target in w.params:
             rep.module, rep.module_source = str(target).rsplit(".", 1)[0], "parameters"
     return rep
 

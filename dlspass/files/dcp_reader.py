@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from dlspass.errors import DLSInputError
+from dlspass.errors import DLSInputError, InputValueError
 from dlspass.files.bounded_text import excerpt
 
 MAX_METADATA_BYTES = 16 * 2**20
@@ -44,8 +44,8 @@ _ALLOWED = {
 }
 
 
-class UnsafeCheckpointError(DLSInputError, ValueError):
-    """A checkpoint folder whose metadata or storage would run code or read outside it."""
+# a checkpoint folder whose metadata or storage would run code or read outside it
+UnsafeCheckpointError = InputValueError
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -2,31 +2,31 @@
 
 from __future__ import annotations
 
-from dlspass.errors import DLSInputError
+from dlspass.errors import InputAssertionError, InputRuntimeError, InputValueError
 
 
 class ScaleFloorWarning(RuntimeWarning):
     """The loss scale keeps hitting ``min_loss_scale`` while gradients still overflow."""
 
 
-class ScaleFloorError(DLSInputError, RuntimeError):
+class ScaleFloorError(InputRuntimeError):
     """Raised instead of `ScaleFloorWarning` when ``on_scale_floor="raise"``.
 
     An input error: the model, its data or ``min_loss_scale`` keeps overflowing at the floor,
     not a fault in dlspass."""
 
 
-class ScalerUsageError(DLSInputError, RuntimeError):
-    """A scaler method called out of order (``unscale_`` twice in a step, ``step`` after
-    ``step``), with torch.amp's message and builtin type."""
+# a scaler method called out of order (``unscale_`` twice in a step, ``step`` after ``step``),
+# with torch.amp's message and builtin type
+ScalerUsageError = InputRuntimeError
 
 
-class ScalerAssertionError(DLSInputError, AssertionError):
-    """The cases ``torch.amp.GradScaler`` reports with ``AssertionError`` (``TorchGradScaler``
-    keeps the type, so code and tests written for torch catch it)."""
+# the cases ``torch.amp.GradScaler`` reports with ``AssertionError`` (``TorchGradScaler`` keeps
+# the type, so code and tests written for torch catch it)
+ScalerAssertionError = InputAssertionError
 
 
-class ScalerStateError(DLSInputError, ValueError):
+class ScalerStateError(InputValueError):
     """A scaler state_dict (or ``update(new_scale)``) holds a value the scaler cannot resume from.
 
     The message names the key. ``load_state_dict`` checks every entry before it changes

@@ -9,7 +9,7 @@ payload of the tensors handed to the collectives, per rank.
 
 Rows: torch.amp.GradScaler (DDP) and ``torch.distributed.fsdp.sharded_grad_scaler
 .ShardedGradScaler`` (FSDP2), with ``torch.nn.utils.clip_grad_norm_`` for clipping, against
-``dlspass.GradScaler``; and the captured step of ``dlspass.distributed.capture_step_distributed``,
+``dlspass.GradScaler``; and the captured step of ``dlspass.capture_step_distributed``,
 whose collectives are graph nodes. The last column injects an inf into one gradient of rank 1
 after the gradient reduction and reports whether rank 0 skipped too (ranks stay identical).
 
@@ -162,8 +162,9 @@ def _eager_row(rank: int, wrap: str, scaler_kind: str, clip: bool,
 
 
 def _captured_row(rank: int, agree_flag: bool) -> dict[str, Any]:
+    from dlspass.capture.functional import capture_step_distributed
     from dlspass.config import DLSConfig
-    from dlspass.distributed import capture_step_distributed, collective_nodes
+    from dlspass.distributed import collective_nodes
     from dlspass.graph.roles import FLAG_ALLREDUCE, role_of
     from dlspass.models import MLP, mse_loss
 

@@ -1,0 +1,127 @@
+"""The one assembly line from a traced training step to the rewritten step graph.
+
+Every front end that makes a whole training step (``capture_step``, ``dlspass.compile``, the
+``.pt2`` transform) runs its step graph through `run_step_pipeline`::
+
+    tag -> pre-passes -> apply_dls -> post-passes -> verify -> write-back
+
+- **tag**: the front end's own tagging, when its graph does not come tagged (``dlspass.compile``
+  passes ``tag_aot_graph``; ``trace_step`` tags while it traces; a ``.pt2`` step is tagged by
+  ``joint_to_step_graph``);
+- **pre-passes**: the user's ``graph_passes`` (fault injection is one), then, for a
+  data-parallel step, ``AllReduceGradsPass``: both see the functional step graph before DLS, so
+  DLS unscales and checks the gradients they leave (averaged, or faulted). A pre-pass may append
+  placeholders (role ``input``); their targets come back to the front end, which feeds them;
+- **apply_dls**: the six DLS passes for the config (``precision_mode`` included), verified;
+- **post-passes**: ``AllReduceFlagPass`` (a dynamic scale agreed over the group);
+- **verify**: ``dlspass.verify`` again whenever a post-pass ran, so a rewrite after DLS that
+  breaks an invariant is caught in every front end alike;
+- **write-back**: ``WriteUpdatesInPlacePass`` where the front end wants its updates written
+  into its inputs (``dlspass.compile``). It comes after ``verify``, which reads the functional
+  outputs: the ``copy_`` epilogue changes where an update lands, not what it is.
+
+This module also holds what the two step front ends share besides the line itself: their error
+(`StepCaptureError`) and how they name parameters in the graph (`param_targets`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dlspass.config import DLSConfig
+from dlspass.errors import InputRuntimeError
+from dlspass.graph import roles
+from dlspass.graph.invariants import verify
+from dlspass.passes import apply_dls, check_graph
+from dlspass.passes.all_reduce_flag_pass import AllReduceFlagPass
+from dlspass.passes.all_reduce_grads_pass import AllReduceGradsPass
+from dlspass.passes.write_updates_in_place_pass import WriteUpdatesInPlacePass
+
+GraphPass = Callable[[fx.GraphModule], object]
+"""A rewrite of the role-tagged step graph, in place (its return value is ignored)."""
+
+
+class StepCaptureError(InputRuntimeError):
+    """The training step cannot be captured or compiled as one dlspass graph; the message says why."""
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Make the step one data-parallel step over ``group`` (None: the default group).
+
+    The gradients are averaged before DLS; with ``agree_flag`` a dynamic scale's overflow flag
+    is all-reduced after it (averaged gradients are already identical on every rank, so the
+    flag's all-reduce is insurance).
+    """
+
+    group: Any = None
+    agree_flag: bool = True
+
+
+def run_step_pipeline(
+    gm: fx.GraphModule,
+    config: DLSConfig | None,
+    *,
+    tag: Callable[[fx.GraphModule], None] | None = None,
+    graph_passes: Sequence[GraphPass] = (),
+    data_parallel: DataParallel | None = None,
+    write_in_place: bool = False,
+    extra_inputs: Collection[str] = (),
+) -> tuple[fx.GraphModule, list[str]]:
+    """Rewrite the step graph ``gm`` in place (module docstring) and return it, with the
+    targets of the placeholders ``graph_passes`` appended, in graph order. Each such target
+    must be one of ``extra_inputs`` (what the front end can feed), else `StepCaptureError`."""
+    if tag is not None:
+        tag(gm)
+    n_inputs = len(gm.graph.find_nodes(op="placeholder"))
+    for graph_pass in graph_passes:
+        graph_pass(gm)
+    added = [roles.target_of(n) for n in gm.graph.find_nodes(op="placeholder")[n_inputs:]]
+    missing = [t for t in added if t not in extra_inputs]
+    if missing:
+        raise StepCaptureError(f"a graph pass added input(s) {missing} that the step's extra_inputs "
+                               f"does not provide (it provides: {sorted(extra_inputs)})")
+    if data_parallel is not None:
+        AllReduceGradsPass(data_parallel.group)(gm)
+    gm = apply_dls(gm, config)
+    post: list[GraphPass] = []
+    if data_parallel is not None and data_parallel.agree_flag and config is not None and config.dynamic:
+        post.append(AllReduceFlagPass(data_parallel.group))
+    for graph_pass in post:
+        graph_pass(gm)
+        check_graph(gm)
+    if post:
+        verify(gm)
+    if write_in_place:
+        WriteUpdatesInPlacePass()(gm)
+        check_graph(gm)
+    return gm, added
+
+
+def param_targets(optimizer: torch.optim.Optimizer,
+                  model: torch.nn.Module | None = None) -> dict[int, str]:
+    """``{id(param): graph target}`` for the parameters of ``model`` and ``optimizer``.
+
+    A parameter of ``model`` is named as the model names it (``fc1.weight``); any other
+    parameter of the optimizer is ``group{i}.param{j}`` (its place in ``param_groups``). Both
+    step front ends name their PARAM, GRAD and optimizer-state nodes with this.
+    """
+    names = {} if model is None else {id(p): name for name, p in model.named_parameters()}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            names.setdefault(id(p), f"group{gi}.param{pi}")
+    return names
+
+
+def graph_targets(names: dict[int, str], model: torch.nn.Module | None) -> dict[str, str]:
+    """``{name: graph target}``: the targets themselves, or with ``model`` its parameter names
+    (for the parameters the graph names), so a caller can name a parameter either way."""
+    if model is None:
+        return {t: t for t in names.values()}
+    return {n: names[id(p)] for n, p in model.named_parameters() if id(p) in names}
+
