@@ -84,7 +84,7 @@ def test_all_entry_points_resolve_the_same_overrides_to_the_same_config(tmp_path
     got = {"capture_step": _capture(base, **OVERRIDES), "compile": _compile(base, **OVERRIDES)}
     rc, out = _cli(tmp_path, _cli_flags(OVERRIDES))
     assert rc == 0
-    from dlspass.capture.exported import load_program
+    from dlspass.capture.pt2_io import load_program
 
     _, meta = load_program(out)
     got["cli"] = DLSConfig(**meta["config"])

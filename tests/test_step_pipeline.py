@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 import dlspass
 from dlspass.capture import compiled_step, functional, step_pipeline
-from dlspass.distributed import FLAG_ALLREDUCE
 from dlspass.graph import roles
 from dlspass.graph.invariants import VerificationError
+from dlspass.graph.roles import FLAG_ALLREDUCE
 from dlspass.models import MLP, mse_loss, mse_train_step
 from dlspass.passes.all_reduce_flag_pass import AllReduceFlagPass
 

@@ -8,7 +8,7 @@
 2. ``joint_to_step_graph`` traces ``joint(params, buffers, inputs)`` followed by the functional
    optimizer update with ``make_fx``, marking loss and gradients, which lays the graph out as
    ``dlspass.graph.roles`` describes;
-3. ``dlspass.passes.apply_dls`` rewrites it;
+3. ``dlspass.capture.step_pipeline.run_step_pipeline`` rewrites it (the pipeline of every front end);
 4. ``package_step`` re-packages the graph as an ``ExportedProgram``: parameters are PARAMETERs,
    optimizer state, scaler state and hyperparameters are BUFFERs, the model's inputs are
    USER_INPUTs; outputs are PARAMETER/BUFFER mutations followed by the LOSS_OUTPUT, so
@@ -298,10 +298,12 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
     when ``config``, optimizer, precision mode and rounding are the ones it was built with, and
     refused otherwise.
     """
-    from dlspass.passes import apply_dls
+    from dlspass.capture.step_pipeline import run_step_pipeline
 
     if rounding not in ROUNDINGS:
         raise InputValueError(f"rounding: expected one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+    if config is not None and config.precision_mode != precision_mode:
+        config = config.with_overrides(precision_mode=precision_mode)
     wanted = {"config": None if config is None else config.to_dict(),
               "optimizer": optimizer.to_dict(), "precision_mode": precision_mode,
               "rounding": rounding}
@@ -319,7 +321,8 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
         # the joint's merge happened at export; None: its metadata does not say (unknown)
         tied = (meta or {}).get("tied")
     gm, info = joint_to_step_graph(ep, optimizer, config, source)
-    gm = apply_dls(gm, config, precision_mode=precision_mode)
+    # graph tagged by joint_to_step_graph; no collectives in a single-file step
+    gm, _ = run_step_pipeline(gm, config)
     if rounding == "aten":
         from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 
