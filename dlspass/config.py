@@ -90,6 +90,20 @@ def _choice(name: str, value: Any, choices: tuple[str, ...], what: str) -> None:
         raise ConfigError(f"{name}: unknown {what} {excerpt(value)}; choose one of {', '.join(choices)}")
 
 
+class _GivenOrPreset:
+    """A resolved `DLSConfig` value: the field ``key`` as given, or the preset's default where
+    the field was left None, as ``cast``."""
+
+    def __init__(self, key: str, cast: type[float] | type[int]) -> None:
+        self.key, self.cast = key, cast
+
+    def __get__(self, config: DLSConfig | None, owner: type) -> float | int:
+        if config is None:  # read on the class (help(), dataclass introspection)
+            return self  # type: ignore[return-value]
+        value = getattr(config, self.key)
+        return self.cast(value if value is not None else getattr(config.defaults, self.key))
+
+
 @dataclass(frozen=True)
 class DLSConfig:
     """Dynamic loss scaling settings with cstorch's names.
@@ -193,15 +207,13 @@ class DLSConfig:
             return False
         return self.loss_scale == "dynamic" or float(self.loss_scale) != 1.0
 
-    @property
-    def max_scale(self) -> float:
-        v = self.max_loss_scale
-        return float(v) if v is not None else self.defaults.max_loss_scale
-
-    @property
-    def min_scale(self) -> float:
-        v = self.min_loss_scale
-        return float(v) if v is not None else self.defaults.min_loss_scale
+    # resolved values: the field as given, or the preset's default where it was left None
+    max_scale = _GivenOrPreset("max_loss_scale", float)
+    min_scale = _GivenOrPreset("min_loss_scale", float)
+    growth_interval = _GivenOrPreset("steps_per_increase", int)
+    growth = _GivenOrPreset("growth_factor", float)
+    backoff = _GivenOrPreset("backoff_factor", float)
+    hysteresis_steps = _GivenOrPreset("hysteresis", int)
 
     @property
     def init_scale(self) -> float:
@@ -215,25 +227,8 @@ class DLSConfig:
         return max(min(self.max_scale, self.defaults.initial_loss_scale), self.min_scale)
 
     @property
-    def growth_interval(self) -> int:
-        v = self.steps_per_increase
-        return int(v) if v is not None else self.defaults.steps_per_increase
-
-    @property
     def tolerance(self) -> float:
         return float(self.overflow_tolerance) if self.overflow_tolerance is not None else 0.0
-
-    @property
-    def growth(self) -> float:
-        return float(self.growth_factor) if self.growth_factor is not None else self.defaults.growth_factor
-
-    @property
-    def backoff(self) -> float:
-        return float(self.backoff_factor) if self.backoff_factor is not None else self.defaults.backoff_factor
-
-    @property
-    def hysteresis_steps(self) -> int:
-        return int(self.hysteresis) if self.hysteresis is not None else self.defaults.hysteresis
 
     @property
     def overflow_check(self) -> str:

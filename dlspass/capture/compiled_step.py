@@ -41,34 +41,17 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from dlspass import scale_policy
-from dlspass.capture import dynamo_backend
+from dlspass.capture import dynamo_backend, step_pipeline
 from dlspass.capture.dynamo_backend import BACKEND_COMPILERS
-from dlspass.capture.optim import (
-    SUPPORTED_OPTIMIZERS,
-    FunctionalOptimizer,
-    UnsupportedOptimizerError,
-    functionalize,
-    optimizer_kind,
-    update_one,
-)
+from dlspass.capture.live_optimizer import SUPPORTED_NAMES, LiveOptimizer, functionalize_live
 from dlspass.capture.step_config import NO_SCALING, resolve_config
-from dlspass.capture.step_pipeline import (
-    DataParallel,
-    GraphPass,
-    StepCaptureError,
-    graph_targets,
-    param_targets,
-    run_step_pipeline,
-)
+from dlspass.capture.step_pipeline import StepCaptureError, param_targets
 from dlspass.config import ConfigError, DLSConfig, FP16Type, PrecisionMode
 from dlspass.errors import DLSPassError
 from dlspass.graph import roles
-from dlspass.graph.marks import mark, resolve_marks
+from dlspass.graph.marks import resolve_marks
+from dlspass.passes.base import GraphPass
 from dlspass.passes.remove_placeholder_aliases_pass import RemovePlaceholderAliasesPass
-
-_SUPPORTED = ", ".join(f"torch.optim.{name}" for name in SUPPORTED_OPTIMIZERS)
-
 
 CompileError = StepCaptureError
 """The name ``dlspass.compile``'s error had before `StepCaptureError` (the same class)."""
@@ -76,191 +59,6 @@ CompileError = StepCaptureError
 
 class StepNotCallableError(StepCaptureError, TypeError):
     """``dlspass.compile`` was given something that is not callable as the step."""
-
-
-# ---- the optimizer: torch.optim's math from dlspass.capture.optim, on live tensors -------------
-
-def _functionalize(optimizer: Any, names: dict[int, str]) -> FunctionalOptimizer:
-    # the rule capture_step uses: torch.optim's classes and subclasses that keep their step
-    if optimizer_kind(optimizer) is None:
-        kind = type(optimizer)
-        raise StepCaptureError(
-            f"optimizer: {kind.__module__}.{kind.__qualname__} has no functional form in dlspass; "
-            f"supported: {_SUPPORTED}"
-        )
-    try:
-        return functionalize(optimizer, names)
-    except (UnsupportedOptimizerError, ValueError) as e:
-        raise StepCaptureError(f"optimizer: {e}") from e
-
-
-def _materialize_state(optimizer: torch.optim.Optimizer, fopt: FunctionalOptimizer) -> dict[int, Tensor]:
-    """Create the optimizer state torch would create lazily, so the graph can carry it.
-
-    Returns the zero momentum buffers created for SGD by ``id(param)``: torch's first momentum
-    buffer is the gradient itself, so such a buffer is marked uninitialised (see `_StepContext`).
-    """
-    created: dict[int, Tensor] = {}
-    for plan, group in zip(fopt.plans(), optimizer.param_groups, strict=True):
-        keys = fopt.state_keys(plan)
-        for p in group["params"]:
-            st = optimizer.state[p]
-            if fopt.kind == "SGD":
-                if keys and st.get("momentum_buffer") is None:
-                    st["momentum_buffer"] = created[id(p)] = torch.zeros_like(
-                        p, memory_format=torch.preserve_format)
-            elif any(k not in st for k in keys):
-                # on the parameter's device, so the step count never needs a host round trip
-                st.setdefault("step", torch.tensor(0.0, dtype=torch.float32, device=p.device))
-                for k in keys[1:]:
-                    if k not in st:
-                        st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return created
-
-
-# ---- the traced step ---------------------------------------------------------------------------
-
-class _StepContext:
-    """What the intercepted optimizer calls read while dynamo traces: plain attributes only.
-
-    Built at the first call (so a model moved with ``.to()`` after ``dlspass.compile`` gets its
-    state where it lives) and rebuilt before any call that finds the optimizer's structure
-    changed or its state missing (``load_state_dict`` of a fresh checkpoint, a state reset).
-    SGD's ``momentum_initialized`` flags live here, not in ``optimizer.state`` (torch keeps no
-    such key): a zero buffer created by `_materialize_state` is uninitialised until the first
-    step that is not skipped; a buffer that replaced it (``optimizer.load_state_dict``) is taken
-    as initialised at the next call.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: Any, config: DLSConfig,
-                 model: torch.nn.Module | None = None) -> None:
-        self.optimizer = optimizer
-        self.fopt: FunctionalOptimizer | None = None  # set by _build, at the first call
-        self.scaler = scaler
-        self.config = config
-        self.model = model
-        self.names = param_targets(optimizer, model)
-        self.flags: dict[int, Tensor] = {}
-        self._created: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (param, zero buffer)
-        self._signature: tuple | None = None
-        self.params: list[list[Tensor]] = []
-        self.state: Any = None
-
-    def _build(self) -> None:
-        """(Re)read the optimizer's structure: groups, parameters, static options, lazy state."""
-        opt = self.optimizer
-        wrong = next((p for g in opt.param_groups for p in g["params"] if p.dtype != torch.float32), None)
-        if wrong is not None:
-            # the DLS math and the 16-bit lowering are written for float32 master weights; a
-            # float64 model otherwise fails deep in the graph with a misleading message
-            raise StepCaptureError(f"dlspass.compile: parameters must be float32 master weights, found "
-                               f"{wrong.dtype} (shape {tuple(wrong.shape)}); call model.float() first")
-        device = next((p.device for g in opt.param_groups for p in g["params"]), None)
-        scaler = self.scaler
-        if scaler is not None and device is not None and scaler.state.loss_scale.device != device:
-            # the state must live beside the parameters: the step reads and writes it in-graph
-            scaler.state = scale_policy.ScalerState(*(t.to(device) for t in scaler.state))
-        if scaler is None and (self.state is None or self.state.loss_scale.device != device):
-            self.state = scale_policy.init_state(self.config, device)
-        self.names = param_targets(opt, self.model)
-        self.fopt = _functionalize(opt, self.names)  # parameters added since get names too
-        self.plans = self.fopt.plans()
-        self._signature = self.fopt.static_signature()
-        created = _materialize_state(opt, self.fopt)
-        for plan, group in zip(self.plans, opt.param_groups, strict=True):
-            for p in group["params"]:
-                if "momentum_initialized" in self.fopt.state_keys(plan):
-                    if id(p) in created or id(p) not in self.flags:
-                        self.flags[id(p)] = torch.tensor(id(p) not in created, device=p.device)
-                if id(p) in created:
-                    self._created[id(p)] = (p, created[id(p)])
-        # every hyperparameter is a live float64 tensor (a graph input, refreshed before each
-        # call), so a scheduler changing lr or weight decay never recompiles; only the plans'
-        # static options (momentum on/off, nesterov, amsgrad, ...) are baked into the graph.
-        # Shape (1,), viewed as 0-d in the graph: dynamo takes a 0-d float64 CPU input for a
-        # Python float, fails to keep it symbolic and restarts the whole trace (twice the
-        # dynamo + AOTAutograd time of the first call, and of every warm start).
-        self.hyper = [{k: torch.zeros((1,), dtype=torch.float64, device=device)
-                       for k in self.fopt.hyper_keys()} for _ in opt.param_groups]
-        # the traced code reads these copies, never param_groups itself: dynamo guards every
-        # value of a dict it iterates, so reading a group would bake its values in as constants
-        self.params = [list(g["params"]) for g in opt.param_groups]
-
-    def _stale(self) -> bool:
-        opt = self.optimizer
-        if (self._signature is None or len(opt.param_groups) != len(self.params)
-                or any(len(g["params"]) != len(ps) or any(a is not b for a, b in zip(g["params"], ps, strict=False))
-                       for g, ps in zip(opt.param_groups, self.params, strict=True))
-                or self.fopt.static_signature() != self._signature):
-            return True
-        keys = [self.fopt.state_keys(plan) for plan in self.plans]
-        return any(k not in opt.state.get(p, ()) for ks, ps in zip(keys, self.params, strict=True)
-                   for p in ps for k in ks if k != "momentum_initialized")
-
-    def refresh(self) -> None:
-        """Before each call: (re)build when the optimizer's structure changed or its state is
-        missing (the call then may recompile), pick up loaded momentum, and write the current
-        hyperparameters into their tensors."""
-        opt = self.optimizer
-        if self._stale():
-            self._build()
-        for pid, (p, buf) in list(self._created.items()):
-            if opt.state[p].get("momentum_buffer") is not buf:  # replaced, e.g. by load_state_dict
-                self.flags[pid].fill_(True)
-                del self._created[pid]
-        for hyper, group in zip(self.hyper, opt.param_groups, strict=True):
-            values = dict(group)
-            if self.fopt.kind == "Adam":
-                values["beta1"], values["beta2"] = group["betas"]
-            for k, t in hyper.items():
-                v = values[k]
-                if isinstance(v, Tensor):
-                    t.copy_(v.detach().reshape(()))  # no host sync for a tensor lr
-                else:
-                    t.fill_(float(v))
-        if self.scaler is not None:
-            self.state = self.scaler.state
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        """The optimizer step as a plain functional update, every value marked with its role.
-
-        Traced by dynamo in place of ``optimizer.step``; ``apply_dls`` adds DLS afterwards.
-        """
-        if args or kwargs:
-            raise StepCaptureError("optimizer.step(closure) is not supported inside dlspass.compile")
-        with torch.no_grad():
-            for gi, (params, plan) in enumerate(zip(self.params, self.plans, strict=True)):
-                hyper = {k: mark(t, roles.HYPER, f"group{gi}.{k}").reshape(())
-                         for k, t in self.hyper[gi].items()}
-                for p in params:
-                    if p.grad is None:
-                        continue
-                    name = self.names[id(p)]
-                    g = mark(p.grad, roles.GRAD, name)
-                    old = mark(p, roles.PARAM, name)
-                    live = self._state_of(p, plan)
-                    st = {k: mark(v, roles.OPT_STATE, f"{name}.{k}") for k, v in live.items()}
-                    new_p, new_st = update_one(self.fopt.kind, plan, old, g.to(p.dtype), st, hyper)
-                    p.copy_(mark(new_p, roles.PARAM_UPDATE, name))
-                    for k, v in new_st.items():
-                        live[k].copy_(mark(v, roles.OPT_STATE_UPDATE, f"{name}.{k}"))
-            if not self.config.enabled:
-                return
-            for t, field in zip(self.state, scale_policy.STATE_FIELDS, strict=True):
-                # the state passes through; UpdateScalePass replaces these outputs
-                t.copy_(mark(mark(t, roles.SCALER_STATE, field), roles.SCALER_STATE_UPDATE, field))
-
-    def _state_of(self, p: Tensor, plan: Any) -> dict[str, Tensor]:
-        """The live state tensors ``update_one`` reads for ``p``, in torch's ``optimizer.state``
-        except SGD's ``momentum_initialized`` flag, which torch does not keep."""
-        st = self.optimizer.state[p]
-        return {k: (self.flags[id(p)] if k == "momentum_initialized" else st[k])
-                for k in self.fopt.state_keys(plan)}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for params in self.params:
-            for p in params:
-                p.grad = None
 
 
 # ---- the AOT graph rewrite ----------------------------------------------------------------------
@@ -324,10 +122,11 @@ def _make_step_rewrite(step: CompiledStep) -> dynamo_backend.Rewrite:
     in-place updates), then the extra inputs the graph passes asked for."""
 
     def rewrite(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[Any], Callable[[Callable], Callable]]:
-        data_parallel = None if step.process_group is None else DataParallel(step.process_group)
-        gm, extra = run_step_pipeline(gm, step.config, tag=tag_aot_graph, graph_passes=step.graph_passes,
-                                      data_parallel=data_parallel, write_in_place=True,
-                                      extra_inputs=step.extra_inputs)
+        group = step.process_group
+        data_parallel = None if group is None else step_pipeline.DataParallel(group)
+        gm, extra = step_pipeline.run_step_pipeline(
+            gm, step.config, tag=tag_aot_graph, graph_passes=step.graph_passes,
+            data_parallel=data_parallel, write_in_place=True, extra_inputs=step.extra_inputs)
         step.graphs.append(gm)
         if not extra:
             return example_inputs, lambda compiled: compiled
@@ -387,7 +186,7 @@ class CompiledStep:
                  graph_passes: Sequence[GraphPass] = (),
                  process_group: Any = None, broadcast_params: bool = True,
                  model: torch.nn.Module | None = None) -> None:
-        _functionalize(optimizer, param_targets(optimizer, model))  # an unsupported optimizer fails here
+        functionalize_live(optimizer, param_targets(optimizer, model))  # an unsupported optimizer fails here
         self.fn = fn
         self.optimizer = optimizer
         self.scaler = scaler
@@ -399,7 +198,7 @@ class CompiledStep:
         self.num_calls = 0
         self.process_group = _resolve_process_group(process_group)
         self._broadcast_pending = broadcast_params and self.process_group is not None
-        self._ctx = _StepContext(optimizer, scaler, config, model)
+        self._ctx = LiveOptimizer(optimizer, scaler, config, model)
         rewrite = _make_step_rewrite(self)
 
         def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -420,7 +219,7 @@ class CompiledStep:
         ``group{i}.param{j}`` otherwise (`param_targets`); with ``model`` the keys are the
         model's parameter names (``fc1.weight``), for parameters the optimizer updates.
         """
-        return graph_targets(self._ctx.names, model)
+        return step_pipeline.graph_targets(self._ctx.names, model)
 
     def _broadcast(self) -> None:
         import torch.distributed as dist
@@ -512,10 +311,9 @@ def compile(
     optimizer: torch.optim.Optimizer,
     scaler: Any | None = None,
     config: DLSConfig | None = None,
-    fp16_type: FP16Type | None = None,
-    mixed_precision: bool | None = None,
-    max_gradient_norm: float | None = None,
-    precision_mode: PrecisionMode | None = None,
+    # overrides of the config's fields (None: not given), merged by DLSConfig.with_overrides
+    fp16_type: FP16Type | None = None, mixed_precision: bool | None = None,
+    max_gradient_norm: float | None = None, precision_mode: PrecisionMode | None = None,
     backend_compiler: str = "inductor",
     graph_passes: Sequence[GraphPass] = (),
     process_group: Any = None,
@@ -570,7 +368,7 @@ def compile(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise StepCaptureError(
             f"optimizer: expected a torch.optim optimizer, got {type(optimizer).__name__}; "
-            f"supported: {_SUPPORTED}"
+            f"supported: {SUPPORTED_NAMES}"
         )
     resolved = resolve_config(config, scaler, fp16_type=fp16_type, mixed_precision=mixed_precision,
                               max_gradient_norm=max_gradient_norm,

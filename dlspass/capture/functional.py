@@ -46,6 +46,9 @@ from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 from dlspass.passes.drop_copy_back_pass import DropCopyBackPass
 from dlspass.scale_policy import STATE_FIELDS, ScalerState, init_state
 
+LossFn = Callable[[nn.Module, Any], Tensor]
+"""``loss_fn(model, batch) -> loss``: what a captured step differentiates."""
+
 # native_batch_norm mutates its running statistics without declaring it in its schema, so
 # functionalization cannot see the mutation; its decomposition makes the update explicit.
 _DECOMPOSITIONS = get_decompositions([torch.ops.aten.native_batch_norm.default])
@@ -66,7 +69,7 @@ def _tracing_errors() -> tuple[type[BaseException], ...]:
 class _LossModule(nn.Module):
     """``loss_fn(model, batch)`` as a module, so ``functional_call`` can swap in tensors."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor]) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
@@ -113,13 +116,9 @@ def _split_batch(batch: Any) -> tuple[list[Any], pytree.TreeSpec, list[bool]]:
     return leaves, spec, [isinstance(x, Tensor) for x in leaves]
 
 
-def trace_step(
-    model: nn.Module,
-    loss_fn: Callable[[nn.Module, Any], Tensor],
-    optimizer: torch.optim.Optimizer,
-    example_batch: Any,
-    config: DLSConfig | None = None,
-) -> tuple[fx.GraphModule, StepLayout, Any]:
+def trace_step(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
+               example_batch: Any, config: DLSConfig | None = None,
+               ) -> tuple[fx.GraphModule, StepLayout, Any]:
     """The un-rewritten, role-tagged step graph, its input layout and the functional optimizer.
 
     Parameters the loss does not use get no gradient in eager PyTorch (``p.grad is None``) and
@@ -136,7 +135,7 @@ def trace_step(
     return gm, layout, fopt
 
 
-def _trace(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
+def _trace(model: nn.Module, loss_fn: LossFn,
            optimizer: torch.optim.Optimizer, example_batch: Any, config: DLSConfig | None,
            unused: frozenset[str]) -> tuple[fx.GraphModule, StepLayout, Any]:
     from dlspass.capture.optim import functionalize
@@ -386,7 +385,7 @@ def _make_scaler(config: DLSConfig | None) -> Any:
 
 def capture_step(
     model: nn.Module,
-    loss_fn: Callable[[nn.Module, Any], Tensor],
+    loss_fn: LossFn,
     optimizer: torch.optim.Optimizer,
     example_batch: Any,
     config: DLSConfig | None = None,
@@ -399,6 +398,7 @@ def capture_step(
     graph_passes: Sequence[GraphPass] = (),
     process_group: Any = None,
     agree_flag: bool = True,
+    broadcast_params: bool = True,
 ) -> CapturedStep:
     """Capture ``loss_fn(model, batch)`` + backward + ``optimizer`` as one graph, with DLS.
 
@@ -410,7 +410,11 @@ def capture_step(
     rewrite the role-tagged step graph before DLS (see `CapturedStep`). With
     ``process_group`` (e.g. ``torch.distributed.group.WORLD``) the graph averages gradients
     over the group and agrees on the overflow flag with functional collectives, so one graph
-    is one data-parallel step (``None``: no collectives; see `capture_step_distributed`).
+    is one data-parallel step (``None``: no collectives): every rank captures the same step on
+    its own batch shard, the graph averages the gradients over the group before DLS unscales
+    and checks them, so ranks stay identical as under DDP; as DDP does at construction,
+    ``broadcast_params`` first copies the parameters and buffers of the group's first rank to
+    all ranks, and ``agree_flag`` all-reduces the overflow flag too.
 
     Example:
         >>> import torch, dlspass
@@ -426,70 +430,48 @@ def capture_step(
     config = resolve_config(config, default=None, fp16_type=fp16_type,
                             mixed_precision=mixed_precision, max_gradient_norm=max_gradient_norm,
                             precision_mode=precision_mode)
+    data_parallel = None
     if process_group is not None:
-        return capture_step_distributed(
-            model, loss_fn, optimizer, example_batch, config, process_group=process_group,
-            agree_flag=agree_flag, compile=compile, graph_passes=graph_passes)
+        _join_group(model, process_group, broadcast_params)
+        data_parallel = DataParallel(process_group, agree_flag)
     return build_step(model, loss_fn, optimizer, example_batch, config, compile=compile,
-                      graph_passes=graph_passes)
+                      graph_passes=graph_passes, data_parallel=data_parallel)
 
 
-def capture_step_distributed(
-    model: nn.Module,
-    loss_fn: Callable[[nn.Module, Any], Tensor],
-    optimizer: torch.optim.Optimizer,
-    example_batch: Any,
-    config: DLSConfig | None = None,
-    *,
-    process_group: Any = None,
-    agree_flag: bool = True,
-    broadcast_params: bool = True,
-    compile: bool = False,
-    graph_passes: Sequence[GraphPass] = (),
-    fp16_type: FP16Type | None = None,
-    mixed_precision: bool | None = None,
-    max_gradient_norm: float | None = None,
-    precision_mode: PrecisionMode | None = None,
-) -> CapturedStep:
-    """`capture_step` for data parallelism: one graph = step + gradient all-reduce.
-
-    Every rank captures the same step on its own batch shard; the graph averages the gradients
-    over ``process_group`` (default: the world) before DLS unscales and checks them, so ranks
-    stay identical, as under DDP. As DDP does at construction, ``broadcast_params`` first copies
-    the parameters and buffers of the group's first rank to all ranks. With ``agree_flag`` the
-    overflow flag is all-reduced too. The config and its overrides as in `capture_step`.
-    """
+def capture_step_distributed(*args: Any, process_group: Any = None, **kwargs: Any) -> CapturedStep:
+    """`capture_step` for data parallelism: one graph = step + gradient all-reduce over
+    ``process_group`` (default: the world), with `capture_step`'s arguments."""
     import torch.distributed as dist
 
     from dlspass.distributed import DistributedSetupError
 
     if not (dist.is_available() and dist.is_initialized()):
         raise DistributedSetupError("capture_step_distributed: torch.distributed is not initialised")
-    config = resolve_config(config, default=None, fp16_type=fp16_type,
-                            mixed_precision=mixed_precision, max_gradient_norm=max_gradient_norm,
-                            precision_mode=precision_mode)
+    group = process_group if process_group is not None else dist.group.WORLD
+    return capture_step(*args, process_group=group, **kwargs)
+
+
+def _join_group(model: nn.Module, group: Any, broadcast_params: bool) -> None:
+    """Check ``torch.distributed`` is up and, with ``broadcast_params``, copy the parameters and
+    buffers of the group's first rank to every rank (as DDP does at construction)."""
+    import torch.distributed as dist
+
+    from dlspass.distributed import DistributedSetupError
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistributedSetupError("capture_step: process_group was given but torch.distributed "
+                                    "is not initialised")
     if broadcast_params:
-        group = process_group if process_group is not None else dist.group.WORLD
         src = dist.get_global_rank(group, 0)
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=src, group=group)
-    return build_step(model, loss_fn, optimizer, example_batch, config, compile=compile,
-                      graph_passes=graph_passes,
-                      data_parallel=DataParallel(process_group, agree_flag))
 
 
-def build_step(
-    model: nn.Module,
-    loss_fn: Callable[[nn.Module, Any], Tensor],
-    optimizer: torch.optim.Optimizer,
-    example_batch: Any,
-    config: DLSConfig | None,
-    *,
-    compile: bool = False,
-    graph_passes: Sequence[GraphPass] = (),
-    data_parallel: DataParallel | None = None,
-) -> CapturedStep:
+def build_step(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
+               example_batch: Any, config: DLSConfig | None, *, compile: bool = False,
+               graph_passes: Sequence[GraphPass] = (), data_parallel: DataParallel | None = None,
+               ) -> CapturedStep:
     """Trace the step and wrap it as a ``CapturedStep``, which runs the step pipeline
     (`run_step_pipeline`) on it: the one assembly line of every captured step."""
     gm, layout, fopt = trace_step(model, loss_fn, optimizer, example_batch, config)

@@ -159,8 +159,9 @@ def _check_number(flag: str, value: float | None, *, positive: bool = False) -> 
         raise typer.BadParameter(f"expected {want}, got {value!r}", param_hint=flag)
 
 
-def _quietly(fn: Any) -> Any:
-    """Run a command with torch's logging and warnings silenced: stderr stays one line."""
+def _quiet_command(fn: Any) -> Any:
+    """Register ``fn`` as a command that runs with torch's logging and warnings silenced: stderr
+    stays one line."""
     import functools
 
     @functools.wraps(fn)
@@ -172,14 +173,13 @@ def _quietly(fn: Any) -> Any:
         with quiet_torch():
             return fn(*args, **kwargs)
 
-    return wrapper
+    return app.command()(wrapper)
 
 
 # the file export and transform write
 _OutputFile = Annotated[Path, typer.Option("--output", "-o", help="The .pt2 or .onnx file to write.")]
 
-@app.command()
-@_quietly
+@_quiet_command
 def export(
     factory: Annotated[str, typer.Argument(
         metavar="MODULE:FACTORY", help="FACTORY() returns (model, example_inputs); model(*inputs) is the loss.")],
@@ -210,8 +210,7 @@ def export(
     print(f"wrote {out}", file=sys.stderr)
 
 
-@app.command()
-@_quietly
+@_quiet_command
 def transform(
     input: Annotated[Path, typer.Argument(
         metavar="IN", help="A joint training program (.pt2) or a dlspass step.")],
@@ -312,8 +311,7 @@ def transform(
     print(f"wrote {out}", file=sys.stderr)
 
 
-@app.command()
-@_quietly
+@_quiet_command
 def inspect(
     file: Annotated[Path, typer.Argument(metavar="FILE", help="A .pt2 (joint program or dlspass step) or .onnx file.")],
     diff: Annotated[Path | None, typer.Option("--diff", help="Compare with this file (e.g. the original).")] = None,
@@ -342,8 +340,7 @@ def inspect(
         print(f"wrote {out}", file=sys.stderr)
 
 
-@app.command()
-@_quietly
+@_quiet_command
 def verify(
     file: Annotated[Path, typer.Argument(metavar="FILE", help="A dlspass step (.pt2).")],
 ) -> None:

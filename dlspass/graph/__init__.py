@@ -50,6 +50,7 @@ A new pass subclasses ``dlspass.passes.base.GraphPass`` (a ``name``; ``run`` ret
 """
 
 from dlspass.graph import roles, splice
+from dlspass.graph.clone import clone_step_graph
 from dlspass.graph.invariants import VerificationError, check, verify
 from dlspass.graph.marks import mark, resolve_marks
 from dlspass.graph.splice import graft, insert_op
@@ -58,6 +59,7 @@ from dlspass.graph.step_io import StepIO, tag_step_io
 # `splice` is the module (``splice.splice`` traces a function in): a function of that name here
 # would shadow the submodule for ``import dlspass.graph.splice``
 __all__ = [
-    "StepIO", "VerificationError", "check", "graft", "insert_op", "mark", "resolve_marks", "roles",
+    "StepIO", "VerificationError", "check", "clone_step_graph", "graft", "insert_op", "mark",
+    "resolve_marks", "roles",
     "splice", "tag_step_io", "verify",
 ]

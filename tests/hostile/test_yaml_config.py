@@ -20,7 +20,7 @@ import pytest
 
 from dlspass import DLSInputError
 from dlspass.config import ConfigError, DLSConfig
-from dlspass.modelzoo import MAX_YAML_BYTES
+from dlspass.files.bounded_yaml import MAX_YAML_BYTES
 
 MAX_LINE = 600          # characters of an error line (the longest lists the known keys)
 MAX_SECONDS = 5.0       # wall time of one hostile read (the real files take milliseconds)
