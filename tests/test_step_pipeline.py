@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import dlspass
-from dlspass.capture import compiled_step, functional, step_pipeline
+from dlspass.capture import compiled_step, step_pipeline
 from dlspass.graph import roles
 from dlspass.graph.invariants import VerificationError
 from dlspass.graph.roles import FLAG_ALLREDUCE
@@ -59,9 +59,26 @@ def _compiled(group: object, **kw: object) -> compiled_step.CompiledStep:
     return step
 
 
-def test_both_entry_points_run_the_one_pipeline() -> None:
-    assert functional.run_step_pipeline is step_pipeline.run_step_pipeline
-    assert compiled_step.run_step_pipeline is step_pipeline.run_step_pipeline
+def test_every_front_end_runs_the_one_pipeline(monkeypatch, tmp_path) -> None:
+    from dlspass.capture.export import export_factory
+    from dlspass.capture.joint_step import transform_program
+    from dlspass.capture.optim import OptimizerSpec
+
+    calls: list[str] = []
+    real = step_pipeline.run_step_pipeline
+
+    def spy(gm: torch.fx.GraphModule, *args: object, **kwargs: object) -> object:
+        calls.append(gm.__class__.__name__)
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(step_pipeline, "run_step_pipeline", spy)
+    _captured(None)
+    assert len(calls) == 1, "capture_step"
+    _compiled(None)
+    assert len(calls) == 2, "dlspass.compile"
+    ep, _ = export_factory("cli_factories:mlp")
+    transform_program(ep, None, CONFIG, OptimizerSpec(kind="sgd", lr=0.1))
+    assert len(calls) == 3, "the .pt2 front end"
 
 
 def test_both_entry_points_verify_after_the_flag_allreduce(one_rank, monkeypatch) -> None:

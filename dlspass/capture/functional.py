@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from dlspass.capture import step_pipeline
 from dlspass.capture.step_config import resolve_config
 from dlspass.capture.step_pipeline import (
     DataParallel,
@@ -33,7 +34,6 @@ from dlspass.capture.step_pipeline import (
     StepCaptureError,
     graph_targets,
     param_targets,
-    run_step_pipeline,
 )
 from dlspass.config import DLSConfig, FP16Type, PrecisionMode
 from dlspass.errors import DLSPassError
@@ -282,7 +282,7 @@ class CapturedStep:
         ``compile`` (a combination built before is reused, not rebuilt)."""
         hooks, key = self._hooks()
         if key not in self._builds:
-            gm, added = run_step_pipeline(clone_step_graph(self._traced), self.config,
+            gm, added = step_pipeline.run_step_pipeline(clone_step_graph(self._traced), self.config,
                                           graph_passes=self.graph_passes,
                                           data_parallel=self._data_parallel,
                                           extra_inputs=self.extra_inputs)

@@ -298,7 +298,7 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
     when ``config``, optimizer, precision mode and rounding are the ones it was built with, and
     refused otherwise.
     """
-    from dlspass.capture.step_pipeline import run_step_pipeline
+    from dlspass.capture import step_pipeline
 
     if rounding not in ROUNDINGS:
         raise InputValueError(f"rounding: expected one of {', '.join(ROUNDINGS)}, got {rounding!r}")
@@ -322,7 +322,7 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
         tied = (meta or {}).get("tied")
     gm, info = joint_to_step_graph(ep, optimizer, config, source)
     # graph tagged by joint_to_step_graph; no collectives in a single-file step
-    gm, _ = run_step_pipeline(gm, config)
+    gm, _ = step_pipeline.run_step_pipeline(gm, config)
     if rounding == "aten":
         from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 
