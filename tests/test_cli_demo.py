@@ -27,6 +27,13 @@ def _cli_cmd() -> list[str]:
     return [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "dlspass.cli"]
 
 
+@pytest.fixture(autouse=True)
+def _cwd_in_tmp(tmp_path, monkeypatch):
+    """The demo's default --out-dir is relative (``dlspass-demo``): a test that leaves it out
+    writes into its own temporary folder, never into the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _run(*args: str, timeout: float = 180, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "100"}
     env.pop("DLSPASS_DEBUG", None)
@@ -343,8 +350,11 @@ def test_spikes_follow_the_hand_worked_dls_trace():
     assert r["spikes"] == [3, 4, 20]
 
 
-def test_cli_spike_option(capsys):
-    assert cli.run(["demo", "--steps", "4", "--spike", "2", "--json", "-q", "--eager-kernels"]) == 0
+def test_cli_spike_option(tmp_path, capsys):
+    out_dir = tmp_path / "demo"
+    assert cli.run(["demo", "--steps", "4", "--spike", "2", "--json", "-q", "--eager-kernels",
+                    "--out-dir", str(out_dir)]) == 0
+    assert (out_dir / "report.html").exists()
     result = json.loads(capsys.readouterr().out)
     assert result["skipped_steps"] == 1 and result["final_scale"] == 2.0**14
     assert result["skipped"] == [0, 1, 1, 1]
