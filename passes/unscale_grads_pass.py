@@ -42,7 +42,7 @@ class UnscaleGradsPass(DLSPass):
         found = grads(graph)
         names = [t for t, _ in found]
         gnodes = [g for _, g in found]
-        backward = backward_nodes(graph)
+        backward = backward_nodes(graph) | _observers(graph)
         unscaled = splice(
             graph, lambda s, *gs: scale_policy.unscale(gs, s), [scale_placeholder(graph), *gnodes],
             role=roles.UNSCALE, by_pass=self.name, output_roles=[(roles.UNSCALE, t) for t in names])
@@ -61,11 +61,16 @@ class UnscaleGradsPass(DLSPass):
     def ensures(self, gm: fx.GraphModule) -> None:
         if scaling_off_reason(self.config) is not None:
             return
-        backward = backward_nodes(gm.graph)
+        backward = backward_nodes(gm.graph) | _observers(gm.graph)
         for name, g in grads(gm.graph):
             bad = [u.name for u in g.users if roles.role_of(u) != roles.UNSCALE and u not in backward]
             if bad:
                 raise PassContractError(f"unscale_grads: grad of {name!r} is read unscaled by {bad}")
+
+
+def _observers(graph: fx.Graph) -> set[fx.Node]:
+    """Telemetry nodes: they measure the gradient as backward produced it (scaled)."""
+    return set(roles.nodes_with_role(graph, roles.TELEMETRY))
 
 
 def _check(unscaled: list, config: DLSConfig) -> list:

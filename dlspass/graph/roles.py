@@ -72,6 +72,9 @@ PASS_NAME = "distributed"
 # (before its fault) once the faulted value has taken over the GRAD role
 FAULT = "fault"
 PRE_FAULT_GRAD = "pre_fault_grad"
+# numerics telemetry (InsertTelemetryPass): reads values and changes none, so the gradients it
+# reads stay the ones backward produced (the unscale pass reroutes only the optimizer's reads)
+TELEMETRY = "telemetry"
 
 # targets (``dlspass_target``) with a fixed meaning
 GLOBAL = "global"  # the one overflow flag and the one gradient norm of a step
