@@ -124,13 +124,14 @@ def _make_step_rewrite(step: CompiledStep) -> dynamo_backend.Rewrite:
     def rewrite(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[Any], Callable[[Callable], Callable]]:
         group = step.process_group
         data_parallel = None if group is None else step_pipeline.DataParallel(group)
+        inputs = step_pipeline.step_inputs(step.graph_passes, step.extra_inputs)
         gm, extra = step_pipeline.run_step_pipeline(
             gm, step.config, tag=tag_aot_graph, graph_passes=step.graph_passes,
-            data_parallel=data_parallel, write_in_place=True, extra_inputs=step.extra_inputs)
+            data_parallel=data_parallel, write_in_place=True, extra_inputs=inputs)
         step.graphs.append(gm)
         if not extra:
             return example_inputs, lambda compiled: compiled
-        providers = [step.extra_inputs[t] for t in extra]
+        providers = [inputs[t] for t in extra]
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         extra_examples = [p() for p in providers]
         if fake_mode is not None:

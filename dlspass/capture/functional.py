@@ -282,11 +282,12 @@ class CapturedStep:
         ``compile`` (a combination built before is reused, not rebuilt)."""
         hooks, key = self._hooks()
         if key not in self._builds:
+            inputs = step_pipeline.step_inputs(self.graph_passes, self.extra_inputs)
             gm, added = step_pipeline.run_step_pipeline(clone_step_graph(self._traced), self.config,
                                           graph_passes=self.graph_passes,
                                           data_parallel=self._data_parallel,
-                                          extra_inputs=self.extra_inputs)
-            providers = [self.extra_inputs[t] for t in added]
+                                          extra_inputs=inputs)
+            providers = [inputs[t] for t in added]
             runner: Callable[..., Any] = gm
             if self.compile:
                 runner = _inductor(gm, [*self._example_inputs(), *(p() for p in providers)])

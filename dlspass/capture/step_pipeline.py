@@ -11,7 +11,8 @@ Every front end that makes a whole training step (``capture_step``, ``dlspass.co
 - **pre-passes**: the user's ``graph_passes`` (fault injection is one), then, for a
   data-parallel step, ``AllReduceGradsPass``: both see the functional step graph before DLS, so
   DLS unscales and checks the gradients they leave (averaged, or faulted). A pre-pass may append
-  placeholders (role ``input``); their targets come back to the front end, which feeds them;
+  placeholders (role ``input``); their targets come back to the front end, which feeds them
+  (from its ``extra_inputs`` or the pass object's own, `step_inputs`);
 - **apply_dls**: the six DLS passes for the config (``precision_mode`` included), verified;
 - **post-passes**: ``AllReduceFlagPass`` (a dynamic scale agreed over the group);
 - **verify**: ``dlspass.verify`` again whenever a post-pass ran, so a rewrite after DLS that
@@ -26,7 +27,7 @@ This module also holds what the two step front ends share besides the line itsel
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,17 @@ def run_step_pipeline(
         WriteUpdatesInPlacePass()(gm)
         check_graph(gm)
     return gm, added
+
+
+def step_inputs(graph_passes: Sequence[GraphPass],
+                extra_inputs: Mapping[str, Callable[[], torch.Tensor]]) -> dict[str, Callable[[], torch.Tensor]]:
+    """The input providers a front end feeds: its own ``extra_inputs``, and those a graph pass
+    object brings for the placeholders it adds (its ``extra_inputs`` attribute, as
+    ``InsertTelemetryPass`` has), so ``graph_passes=[pass]`` needs no access to the step."""
+    inputs = dict(extra_inputs)
+    for graph_pass in graph_passes:
+        inputs.update(getattr(graph_pass, "extra_inputs", {}))
+    return inputs
 
 
 def param_targets(optimizer: torch.optim.Optimizer,
