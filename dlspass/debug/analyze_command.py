@@ -1,0 +1,35 @@
+"""The body of ``dlspass analyze``: a factory's model calibrated and judged, the report written."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dlspass.debug.precision_risk import RENDER_FORMATS, AnalyzeError, analyze, render
+from dlspass.format_ranges import RANGES
+
+
+def run_analyze(factory: str, fmt: str, output: Path | None, formats: str | None, steps: int,
+                threshold: float) -> None:
+    """``FACTORY()`` -> ``(model, example_inputs)``; ``model(*inputs)`` is the loss."""
+    # the factory is resolved as `dlspass export` resolves it
+    from dlspass.capture.exported import _resolve_factory, check_output_path, write_atomic
+
+    if fmt not in RENDER_FORMATS:
+        raise AnalyzeError(f"--format: expected one of {', '.join(RENDER_FORMATS)}, got {fmt!r}")
+    out = check_output_path(output, (f".{fmt}", ".txt")) if output is not None else None
+    names = [f.strip() for f in formats.split(",")] if formats else list(RANGES)
+    made = _resolve_factory(factory)()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise AnalyzeError(f"{factory!r}: the factory must return (model, example_inputs), "
+                           f"got {type(made).__name__}")
+    model, inputs = made
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    result = analyze(model, lambda m, batch: m(*batch), inputs, steps=steps, formats=names,
+                     threshold=threshold)
+    text = render(result, fmt)
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        write_atomic(out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+        print(f"wrote {out}", file=sys.stderr)

@@ -1,0 +1,164 @@
+"""dlspass.analyze: its window and recommended scale, checked by rounding the model's own eager
+gradients in the format (native casts); forward overflow named by module path; JSON valid
+against docs/analyze.schema.json; HTML with one inline-SVG histogram per format and kind."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from torch import nn
+
+import dlspass
+from dlspass.cli import commands as cli
+from dlspass.debug.precision_risk import AnalyzeError, render
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = json.loads((ROOT / "docs" / "analyze.schema.json").read_text())
+WEIGHT = 2.0**-20  # the demo's loss weight: float16 gradients underflow without a scale
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+
+
+def _loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y) * WEIGHT
+
+
+def _eager_grads(scale: float) -> list[torch.Tensor]:
+    """Activation and parameter gradients of the scaled loss, by plain autograd."""
+    model = _model()
+    x, y = _batch()
+    h1 = model[0](x)
+    h1.retain_grad()
+    h2 = model[1](h1)
+    h2.retain_grad()
+    out = model[2](h2)
+    out.retain_grad()
+    (nn.functional.mse_loss(out, y) * WEIGHT * scale).backward()
+    return [h1.grad, h2.grad, out.grad, *(p.grad for p in model.parameters())]
+
+
+def _in_float16(grads: list[torch.Tensor]) -> tuple[bool, float]:
+    """(any value overflows, the worst fraction of non-zero values flushed to zero), by casting."""
+    over, worst = False, 0.0
+    for g in grads:
+        h = g.to(torch.float16).float()
+        over |= bool(torch.isinf(h).any())
+        nz = g != 0
+        worst = max(worst, float(((h == 0) & nz).sum()) / max(int(nz.sum()), 1))
+    return over, worst
+
+
+def test_window_edges_and_recommendation_hold_for_the_eager_gradients() -> None:
+    analysis = dlspass.analyze(_model(), _loss, _batch(), formats=["float16", "bfloat16"])
+    f16, bf16 = analysis.verdicts
+    assert f16.window is not None
+    lo, hi = f16.window
+    assert lo > 0  # the weighted loss needs scaling in float16
+    assert f16.verdict == f"fits with DLS from 2^{f16.recommended_exponent}"
+    assert f16.recommended_exponent == max(lo, hi - 3)
+    # the edges, checked by casting the eager gradients to float16
+    assert _in_float16(_eager_grads(2.0**hi))[0] is False
+    assert _in_float16(_eager_grads(2.0**(hi + 1)))[0] is True
+    assert _in_float16(_eager_grads(2.0**lo))[1] <= analysis.threshold
+    assert _in_float16(_eager_grads(2.0**(lo - 1)))[1] > analysis.threshold
+    over, lost = _in_float16(_eager_grads(f16.recommended_initial_loss_scale))
+    assert not over and lost <= analysis.threshold
+    # without a scale float16 loses gradients; bfloat16 keeps them
+    assert _in_float16(_eager_grads(1.0))[1] > analysis.threshold
+    assert bf16.verdict == "fits" and bf16.fits
+    # the deciding tensors are named by module path / parameter name
+    assert f16.overflow_deciders and all(n.split(":")[0] in ("activation_grad", "param_grad")
+                                         for n in f16.overflow_deciders)
+    names = {s.name for s in analysis.samples}
+    assert {"0", "1", "2", "0.weight", "2.bias"} <= names
+
+
+def test_forward_overflow_is_named_and_no_scale_helps() -> None:
+    model = _model()
+    with torch.no_grad():
+        model[0].weight.mul_(1e5)  # the first layer's outputs pass float16's 65504
+    analysis = dlspass.analyze(model, _loss, _batch(), formats=["float16", "float8_e5m2", "cbfloat16"])
+    f16, e5m2, cb16 = analysis.verdicts
+    assert f16.verdict == "does not fit: these tensors overflow in the forward: 0"
+    assert f16.forward_overflow == ["0"] and not f16.fits
+    assert e5m2.forward_overflow == ["0"]
+    assert cb16.forward_overflow == []  # cbfloat16's range holds them
+    assert float(model[0](_batch()[0]).detach().abs().max()) > 65504  # the reference: it really overflows
+
+
+def test_json_report_is_valid_against_the_schema() -> None:
+    analysis = dlspass.analyze(_model(), _loss, _batch(), steps=2)
+    data = json.loads(render(analysis, "json"))
+    jsonschema.validate(data, SCHEMA)
+    assert set(data["formats"]) == {"float16", "bfloat16", "cbfloat16", "float8_e4m3fn", "float8_e5m2"}
+    assert data["steps"] == 2
+    # two identical calibration steps: every tensor was recorded twice
+    by_name = {(t["kind"], t["name"]): t for t in data["tensors"]}
+    assert by_name[("param_grad", "0.weight")]["count"] == 2 * 16 * 8
+    bad = {**data, "formats": {"float16": {**data["formats"]["float16"], "verdict": "maybe"}}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, SCHEMA)
+
+
+def test_html_has_a_histogram_per_format_and_kind_and_nothing_external() -> None:
+    analysis = dlspass.analyze(_model(), _loss, _batch())
+    page = render(analysis, "html")
+    assert page.count("<svg class='histogram'") == 5 * 3
+    assert page.count("class='bar'") > 15
+    assert "<script" not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+    assert "https://" not in page
+    assert "fits with DLS from 2^" in page
+
+
+def test_text_report_names_the_window() -> None:
+    analysis = dlspass.analyze(_model(), _loss, _batch(), formats=["float16"])
+    text = render(analysis, "text")
+    lo, hi = analysis.verdicts[0].window
+    assert f"window of loss scales: 2^{lo} .. 2^{hi}" in text
+
+
+@pytest.mark.parametrize(("kwargs", "fragment"), [
+    ({"steps": 0}, "steps: expected a positive int"),
+    ({"threshold": 1.5}, "threshold: expected a fraction"),
+    ({"headroom": -1}, "headroom: expected an int >= 0"),
+    ({"formats": ["fp12"]}, "format: expected one of"),
+])
+def test_bad_arguments_are_one_clear_error(kwargs, fragment) -> None:
+    with pytest.raises(dlspass.DLSInputError, match=fragment):
+        dlspass.analyze(_model(), _loss, _batch(), **kwargs)
+
+
+def test_a_loss_without_grad_is_refused() -> None:
+    with pytest.raises(AnalyzeError, match="loss_fn: expected a scalar loss"):
+        dlspass.analyze(_model(), lambda m, b: torch.tensor(1.0), _batch())
+
+
+def test_cli_analyze_on_a_factory(tmp_path, capsys) -> None:
+    assert cli.run(["analyze", "cli_factories:mlp", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    jsonschema.validate(data, SCHEMA)
+    out = tmp_path / "risk.html"
+    assert cli.run(["analyze", "cli_factories:mlp", "--format", "html", "-o", str(out),
+                    "--formats", "float16,bfloat16"]) == 0
+    assert out.read_text().count("<svg class='histogram'") == 2 * 3
+    capsys.readouterr()
+    assert cli.run(["analyze", "no_such_module:make"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot import module 'no_such_module'" in err[0]
+    assert cli.run(["analyze", "cli_factories:mlp", "--formats", "fp12"]) == 2
+    assert "format: expected one of" in capsys.readouterr().err
+    assert not math.isnan(data["threshold"])
