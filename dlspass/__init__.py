@@ -58,6 +58,7 @@ _LAZY = {
     "VerificationError": "dlspass.graph.invariants",
     "compile": "dlspass.capture.compiled_step",
     "make_backend": "dlspass.capture.dynamo_backend",
+    "analyze": "dlspass.debug.precision_risk",
 }
 
 __all__ = [

@@ -24,7 +24,7 @@ CLASSES = {
 }
 FUNCTIONS = {
     "hold_scheduler_on_skip", "round_to_format", "capture_step", "capture_step_distributed",
-    "verify", "compile", "make_backend",
+    "verify", "compile", "make_backend", "analyze",
 }
 MODULES = {"formats"}
 
