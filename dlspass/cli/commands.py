@@ -341,6 +341,25 @@ def inspect(
 
 
 @_quiet_command
+def analyze(
+    factory: Annotated[str, typer.Argument(
+        metavar="MODULE:FACTORY", help="FACTORY() returns (model, example_inputs); model(*inputs) is the loss.")],
+    fmt: Annotated[str, typer.Option("--format", help="text, json or html.")] = "text",
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")] = None,
+    formats: Annotated[str | None, typer.Option("--formats", help="Comma-separated formats (default: all).")] = None,
+    steps: Annotated[int, typer.Option("--steps", help="Calibration steps.")] = 1,
+    threshold: Annotated[float, typer.Option("--threshold", help="Largest fraction of a gradient allowed to flush to zero.")] = 1e-3,
+) -> None:
+    """Does the model fit float16, bfloat16, cbfloat16, float8? The window of loss scales and a recommended initial_loss_scale per format, from float32 calibration steps.
+
+    Example: dlspass analyze mypkg.models:make --format html -o risk.html
+    """
+    from dlspass.debug.analyze_command import run_analyze
+
+    run_analyze(factory, fmt, output, formats, steps, threshold)
+
+
+@_quiet_command
 def verify(
     file: Annotated[Path, typer.Argument(metavar="FILE", help="A dlspass step (.pt2).")],
 ) -> None:
