@@ -35,9 +35,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("files", ("dlspass.files",)),  # untrusted-file readers
     ("presets", ("dlspass.presets", "dlspass.modelzoo")),
     ("config", ("dlspass.config",)),
-    ("numerics", ("dlspass.formats", "dlspass.scale_policy", "dlspass.precision_policy")),
+    ("numerics", ("dlspass.formats", "dlspass.format_ranges", "dlspass.scale_policy",
+                  "dlspass.precision_policy")),
     ("models", ("dlspass.models",)),  # the toy models: nothing of dlspass above numerics
-    ("runtime", ("dlspass.scaler", "dlspass.distributed", "dlspass.checkpoint")),
+    ("runtime", ("dlspass.scale_log", "dlspass.scaler", "dlspass.distributed", "dlspass.checkpoint")),
     ("graph", ("dlspass.graph",)),
     ("passes", ("dlspass.passes",)),
     ("capture", ("dlspass.capture",)),

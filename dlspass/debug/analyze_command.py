@@ -5,16 +5,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+# the factory is resolved as `dlspass export` resolves it
+from dlspass.capture.export import _resolve_factory
 from dlspass.debug.precision_risk import RENDER_FORMATS, AnalyzeError, analyze, render
+from dlspass.files.atomic_write import write_atomic
+from dlspass.files.paths import check_output_path
 from dlspass.format_ranges import RANGES
 
 
 def run_analyze(factory: str, fmt: str, output: Path | None, formats: str | None, steps: int,
                 threshold: float) -> None:
     """``FACTORY()`` -> ``(model, example_inputs)``; ``model(*inputs)`` is the loss."""
-    # the factory is resolved as `dlspass export` resolves it
-    from dlspass.capture.exported import _resolve_factory, check_output_path, write_atomic
-
     if fmt not in RENDER_FORMATS:
         raise AnalyzeError(f"--format: expected one of {', '.join(RENDER_FORMATS)}, got {fmt!r}")
     out = check_output_path(output, (f".{fmt}", ".txt")) if output is not None else None
