@@ -138,9 +138,23 @@ class ModelZooRules:
         1.8-1.9: pytorch_base_runner._log_summaries_loss_scale; 2.0.x: run_cstorch_flow returns
         loss_scale None whatever log_summaries says; 2.1+: run_cstorch_flow logs
         grad_scaler.get_scale() under log_summaries, and the trainer conversion maps
-        log_summaries to precision.log_loss_scale. R_1.6/1.7 do not read the key.
+        log_summaries to precision.log_loss_scale. R_1.6/1.7 do not read the key
+        (`logs_scale_with_scaler`).
         """
         return (1, 8) <= self.release < (2, 0) or self.release >= (2, 1)
+
+    @property
+    def logs_scale_with_scaler(self) -> bool:
+        """The scale is logged whenever the run has a scaler, whatever log_summaries says.
+
+        R_1.6.0 / R_1.7.x modelzoo/common/pytorch/pytorch_runner.py, the CPU/GPU runner:
+        ``on_train_start`` makes a ``GradScaler`` when ``model.mixed_precision`` and
+        ``optimizer.loss_scaling_factor != 1.0`` on CUDA (R_1.7.1 L60-76, R_1.6.0 L55-71), and ``_write_log`` adds
+        ``loss_scale`` to the summaries at every log step ``if self._scaler`` (R_1.7.1 L130-133,
+        R_1.6.0 L137-140). (Their CS runners print the loss only; dlspass runs where the GPU
+        runner runs.)
+        """
+        return self.release < (1, 8)
 
     @property
     def reads_model_precision_opt_level(self) -> bool:
@@ -156,6 +170,27 @@ class ModelZooRules:
     def reads_csconfig(self) -> bool:
         """csconfig.use_cbfloat16 is passed to cbtorch.initialize up to 1.9."""
         return self.release <= (1, 9)
+
+
+def model_from_path(path: str | Path) -> str | None:
+    """The model directory of a config inside a Model Zoo checkout, else None.
+
+    Every release keeps a model's configs in ``<model>/configs/`` (R_1.7.1
+    ``modelzoo/transformers/pytorch/gpt2/configs/params_gpt2_small.yaml``, 2.2
+    ``src/cerebras/modelzoo/models/nlp/gpt2/configs/...``, fine-tuning tasks one level deeper,
+    ``bert/fine_tuning/qa/configs``, whose defaults are bert's).
+    """
+    parts = Path(path).parts
+    if len(parts) < 3 or parts[-2] != "configs":
+        return None
+    up = [p for p in reversed(parts[:-2]) if p not in _TASK_DIRS]
+    return up[0] if up else None
+
+
+# directories between a model and its configs in R_1.6-2.2 (bert/fine_tuning/qa/configs,
+# gptj/fine_tuning/continuous_pretraining/configs, fc_mnist/pytorch/configs)
+_TASK_DIRS = {"fine_tuning", "qa", "classifier", "extractive_summarization", "token_classifier",
+              "abstractive_summarization", "continuous_pretraining", "pytorch"}
 
 
 def modelzoo_rules(release: str | tuple[int, int] | None = None, model: str | None = None) -> ModelZooRules:
@@ -369,7 +404,7 @@ def _legacy_to_current(values: dict[str, Any], src: str, rules: ModelZooRules) -
     pol = values.get("runconfig.precision_opt_level", model_pol)
     if pol is not None:
         out["precision_opt_level"] = pol
-    if "optimizer.log_summaries" in values:
+    if "optimizer.log_summaries" in values and not rules.logs_scale_with_scaler:
         logs = values["optimizer.log_summaries"] and rules.log_summaries_logs_scale
         out["log_loss_scale"] = logs
     return out
@@ -419,6 +454,11 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
         )
     enabled = values.get("enabled", True)
     fp16_type = values.get("fp16_type") or rules.default_fp16_type()
+    if enabled and not values.get("fp16_type") and rules.model is None and rules.release in _GPT_DEFAULTS:
+        warnings.warn(f"{src}the half format is not named: Model Zoo {_name(rules)} defaults it per "
+                      f"model (bfloat16 for {', '.join(sorted(_GPT_DEFAULTS[rules.release]))}); "
+                      f"read as {fp16_type}. Pass modelzoo_model or name model.fp16_type",
+                      UserWarning, stacklevel=6)
     loss_scale = values.get("loss_scaling_factor", 1.0)
     if enabled and fp16_type == "cbfloat16" and loss_scale != "dynamic":
         got = (f"got {excerpt(values['loss_scaling_factor'])}" if "loss_scaling_factor" in values
@@ -432,7 +472,9 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
         if key not in ("loss_scaling_factor", "log_loss_scale") and values.get(key) is not None:
             kwargs[field_name] = values[key]
     log = values.get("log_loss_scale")
-    if log is None:
+    if log is None and rules.logs_scale_with_scaler:
+        log = enabled and loss_scale != 1.0
+    elif log is None:
         log = rules.log_follows_dynamic and loss_scale == "dynamic"
     kwargs["log_loss_scale"] = log
     if loss_scale == "dynamic" and fp16_type != "bfloat16":
@@ -545,4 +587,5 @@ def settings_from_yaml(path: str | Path, *, fields: Collection[str],
     """The DLSConfig arguments of a Model Zoo ``params.yaml`` (see `settings_from_params`);
     `DLSConfig.from_yaml` is the entry point."""
     return settings_from_params(load_yaml(path), fields=fields, source=str(path),
-                                modelzoo_release=modelzoo_release, modelzoo_model=modelzoo_model)
+                                modelzoo_release=modelzoo_release,
+                                modelzoo_model=modelzoo_model or model_from_path(path))

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from dlspass.config import ConfigError, DLSConfig
+from dlspass.modelzoo import model_from_path
 
 # the two entry points (dlspass.modelzoo returns DLSConfig arguments below them)
 config_from_params = DLSConfig.from_dict
@@ -343,11 +344,12 @@ def test_real_config_is_the_indexed_file(entry):
     assert _git_blob_id(data) == entry["origin"]["blob"]
     assert entry["origin"]["repo"] == "Cerebras/modelzoo" and len(entry["origin"]["commit"]) == 40
     assert entry["release"] in entry["releases"] and set(entry["sources"]) <= set(entry["expected"])
+    assert set(entry.get("expected_by_release", {})) <= set(entry["releases"]) - {entry["release"]}
 
 
 @pytest.mark.parametrize(("entry", "release"), CASES, ids=[f"{e['file']}@{r}" for e, r in CASES])
 def test_real_config_matches_what_its_release_does(entry, release):
-    exp = entry["expected"]
+    exp = {**entry["expected"], **entry.get("expected_by_release", {}).get(release, {})}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = config_from_yaml(MODELZOO / entry["file"], modelzoo_release=release, modelzoo_model=entry["model"])
@@ -403,21 +405,38 @@ def _legacy(**optimizer):
             "optimizer": {"loss_scaling_factor": "dynamic", **optimizer}}
 
 
-@pytest.mark.parametrize(("release", "logged"), [
-    ("R_1.7.1", False),      # not read by 1.6/1.7
-    ("Release_1.8.0", True),  # pytorch_base_runner._log_summaries_loss_scale
-    ("1.9", True),
-    ("Release_2.0.3", False),  # run_cstorch_flow returns loss_scale None
-    ("2.1", True),            # run_cstorch_flow: grad_scaler.get_scale() under log_summaries
-    ("2.3", True),            # trainer conversion: log_summaries -> precision.log_loss_scale
-    ("2.10", True),
+@pytest.mark.parametrize(("release", "logged", "logged_off"), [
+    # not read by 1.6/1.7; their GPU runner (pytorch_runner.py) logs the scale whenever it has a
+    # GradScaler (mixed_precision and loss_scaling_factor != 1.0), with or without log_summaries
+    ("R_1.6.0", True, True),
+    ("R_1.7.1", True, True),
+    ("Release_1.8.0", True, False),  # pytorch_base_runner._log_summaries_loss_scale
+    ("1.9", True, False),
+    ("Release_2.0.3", False, False),  # run_cstorch_flow returns loss_scale None
+    ("2.1", True, False),            # run_cstorch_flow: grad_scaler.get_scale() under log_summaries
+    ("2.3", True, False),            # trainer conversion: log_summaries -> precision.log_loss_scale
+    ("2.10", True, False),
 ])
-def test_log_summaries_per_release(release, logged):
+def test_log_summaries_per_release(release, logged, logged_off):
     cfg = config_from_params(_legacy(log_summaries=True), modelzoo_release=release)
     assert cfg.log_loss_scale is logged
     assert cfg.extras["log_summaries"] is True
     off = config_from_params(_legacy(log_summaries=False), modelzoo_release=release)
-    assert off.log_loss_scale is False
+    assert off.log_loss_scale is logged_off
+
+
+@pytest.mark.parametrize("release", ["R_1.6.1", "R_1.7.0"])
+def test_1_6_and_1_7_log_the_scale_exactly_when_the_gpu_runner_has_a_scaler(release):
+    # R_1.7.1 pytorch_runner.py L60-76: GradScaler only for mixed_precision and a factor != 1.0
+    static = {"model": {"mixed_precision": True, "fp16_type": "float16"},
+              "optimizer": {"loss_scaling_factor": 128.0, "log_summaries": False}}
+    assert config_from_params(static, modelzoo_release=release).log_loss_scale is True
+    one = {**static, "optimizer": {"loss_scaling_factor": 1.0, "log_summaries": True}}
+    assert config_from_params(one, modelzoo_release=release).log_loss_scale is False
+    fp32 = {**static, "model": {"mixed_precision": False}}
+    assert config_from_params(fp32, modelzoo_release=release).log_loss_scale is False
+    explicit = {**static, "optimizer": {"loss_scaling_factor": "dynamic", "log_loss_scale": False}}
+    assert config_from_params(explicit, modelzoo_release=release).log_loss_scale is False
 
 
 def test_absent_log_summaries_follows_dynamic_from_2_5():
@@ -495,3 +514,35 @@ def test_duplicate_yaml_keys_are_an_error(tmp_path):
                     "      fp16_type: float16\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"invalid YAML \(line 5, column 7\): duplicate key 'fp16_type'"):
         config_from_yaml(path)
+
+
+@pytest.mark.parametrize(("path", "model"), [
+    # paths of each release's own tree (git ls-tree of the tags named)
+    ("modelzoo/transformers/pytorch/gpt2/configs/params_gpt2_small.yaml", "gpt2"),  # R_1.7.1
+    ("modelzoo/transformers/pytorch/bert/fine_tuning/qa/configs/bert_base_squad.yaml", "bert"),
+    ("modelzoo/transformers/pytorch/gptj/fine_tuning/continuous_pretraining/configs/p.yaml", "gptj"),
+    ("modelzoo/fc_mnist/pytorch/configs/params.yaml", "fc_mnist"),
+    ("src/cerebras/modelzoo/models/nlp/gpt3/configs/Cerebras_GPT_2p7b.yaml", "gpt3"),  # 2.2.0
+    ("params_gpt2_small.yaml", None),
+    ("runs/gpt2/params.yaml", None),
+])
+def test_the_model_is_read_from_a_model_zoo_checkout_path(path, model):
+    assert model_from_path(path) == model
+
+
+def test_a_gpt_config_in_a_checkout_gets_its_family_default_and_elsewhere_a_warning(tmp_path):
+    # R_1.7.1 gpt2/utils.py set_defaults: model.use_bfloat16 defaults to True (L35)
+    text = "model:\n  mixed_precision: true\noptimizer:\n  loss_scaling_factor: dynamic\n"
+    in_tree = tmp_path / "modelzoo/transformers/pytorch/gpt2/configs/params_gpt2_tiny.yaml"
+    in_tree.parent.mkdir(parents=True)
+    in_tree.write_text(text)
+    with pytest.warns(UserWarning, match="is dropped: the half format is bfloat16"):
+        assert config_from_yaml(in_tree, modelzoo_release="R_1.7.1").fp16_type == "bfloat16"
+    loose = tmp_path / "params.yaml"
+    loose.write_text(text)
+    with pytest.warns(UserWarning, match=r"not named: Model Zoo 1\.7 defaults it per model .*gpt2"):
+        assert config_from_yaml(loose, modelzoo_release="R_1.7.1").fp16_type == "float16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = config_from_yaml(loose, modelzoo_release="R_1.7.1", modelzoo_model="bert")
+    assert cfg.fp16_type == "float16"  # bert/utils.py of R_1.7.1: use_bfloat16 False (L51)
