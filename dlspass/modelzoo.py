@@ -75,7 +75,7 @@ _LEGACY_SECTIONS = {
     "optimizer": {**_DLS_KEYS, "log_summaries": None},
     "model": {"mixed_precision": None, "fp16_type": None, "use_bfloat16": None,
               "precision_opt_level": None},
-    "runconfig": {"precision_opt_level": None, "load_checkpoint_states": None},
+    "runconfig": {"precision_opt_level": None, "load_checkpoint_states": None, "log_steps": None},
     "csconfig": {"use_cbfloat16": None},
 }
 # How close an unknown legacy key must be to a precision key to count as its typo.
@@ -321,6 +321,7 @@ _CHECKERS: dict[str, Callable[[Any, str], Any]] = {
     "log_loss_scale": _optional_bool,
     "log_summaries": _bool,
     "load_checkpoint_states": _state_names,
+    "log_steps": _positive_int,
 }
 
 
@@ -351,6 +352,16 @@ def _read_current(data: Mapping, src: str) -> dict[str, Any] | None:
             raise InputValueError(f"{where}: unknown precision key{_hint(key, _CURRENT_KEYS)}")
         out[key] = _CHECKERS[key](value, where)
     return out
+
+
+def _current_log_steps(data: Mapping, src: str) -> dict[str, Any]:
+    """``{"log_steps": n}`` from trainer.init.logging.log_steps (how often the scale is logged;
+    `dlspass.scale_log`), else empty."""
+    logging_ = data["trainer"].get("init", {})
+    logging_ = logging_.get("logging") if isinstance(logging_, Mapping) else None
+    if not isinstance(logging_, Mapping) or logging_.get("log_steps") is None:
+        return {}
+    return {"log_steps": _positive_int(logging_["log_steps"], f"{src}trainer.init.logging.log_steps")}
 
 
 def _read_legacy(data: Mapping, src: str) -> dict[str, Any]:
@@ -564,7 +575,7 @@ def settings_from_params(data: dict[str, Any], *, fields: Collection[str], sourc
             raise InputValueError(f"{source}: the trainer layout needs Model Zoo 2.3 or later "
                                   f"(modelzoo_release is {_name(rules)})")
         values = _read_current(data, src)
-        return _build(values, src, "trainer.init.precision.", rules, {})
+        return _build(values, src, "trainer.init.precision.", rules, _current_log_steps(data, src))
     if any(s in data for s in _LEGACY_SECTIONS):
         raw = _read_legacy(data, src)
         if rules is None:
@@ -575,7 +586,9 @@ def settings_from_params(data: dict[str, Any], *, fields: Collection[str], sourc
             extras["load_checkpoint_states"] = raw["runconfig.load_checkpoint_states"]
         if raw.get("optimizer.log_summaries") is not None:
             extras["log_summaries"] = raw["optimizer.log_summaries"]
-        precision_keys = {k for k in raw if k != "runconfig.load_checkpoint_states"}
+        if raw.get("runconfig.log_steps") is not None:
+            extras["log_steps"] = raw["runconfig.log_steps"]
+        precision_keys = {k for k in raw if k not in ("runconfig.load_checkpoint_states", "runconfig.log_steps")}
         values = _legacy_to_current(raw, src, rules) if precision_keys else None
         return _build(values, src, "optimizer.", rules, extras)
     return _read_flat(data, src, fields)

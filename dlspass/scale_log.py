@@ -1,8 +1,9 @@
 """Loss-scale logging without a host sync per step: what Model Zoo's ``log_loss_scale`` promises.
 
-`ScaleLogger` is called once per training step, after the scaler's update (eager ``GradScaler``
-/ ``TorchGradScaler``, ``capture_step``'s ``CapturedStep.scaler``, the scaler given to
-``dlspass.compile``). On an ordinary step it only keeps, on the scaler's device, a copy of the
+`ScaleLogger` is called once per training step, after the scaler's update: the dlspass scalers
+call it at the end of ``update()`` and, for ``capture_step`` and ``dlspass.compile``, after the
+graph ran (``GradScaler.record_compiled_step``) once ``GradScaler.log_scale`` switched it on
+(the config's ``log_loss_scale``, or a ``summary_writer``). On an ordinary step it only keeps, on the scaler's device, a copy of the
 scale and of the step's overflow flag (two device copies, no read). Every ``every`` steps it
 reads what it kept in one transfer and writes:
 
@@ -27,11 +28,22 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from dlspass.config import DLSConfig
 from dlspass.errors import DLSInputError
 
-__all__ = ["ScaleLogError", "ScaleLogger", "ScaleRecord", "ScalerLike"]
+__all__ = ["DEFAULT_LOG_STEPS", "ScaleLogError", "ScaleLogger", "ScaleRecord", "ScalerLike", "log_steps"]
+
+DEFAULT_LOG_STEPS = 100
+"""How often the scale is logged when the config does not say (Model Zoo's ``log_steps``)."""
 
 log = logging.getLogger(__name__)
+
+
+def log_steps(config: DLSConfig | None) -> int:
+    """The logging interval of ``config``: Model Zoo's ``log_steps`` (``runconfig.log_steps``
+    or ``trainer.init.logging.log_steps``, kept in ``config.extras``), else `DEFAULT_LOG_STEPS`."""
+    every = None if config is None else config.extras.get("log_steps")
+    return DEFAULT_LOG_STEPS if every is None else every
 
 
 class ScaleLogError(DLSInputError, ValueError):
@@ -76,7 +88,7 @@ class ScaleLogger:
     ``global_step``).
     """
 
-    def __init__(self, scaler: ScalerLike, every: int = 100, *, writer: Any = None,
+    def __init__(self, scaler: ScalerLike, every: int = DEFAULT_LOG_STEPS, *, writer: Any = None,
                  logger: logging.Logger | None = None,
                  localize: Callable[[], Any] | None = None, first_step: int = 1) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:

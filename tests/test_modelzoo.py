@@ -546,3 +546,19 @@ def test_a_gpt_config_in_a_checkout_gets_its_family_default_and_elsewhere_a_warn
         warnings.simplefilter("error")
         cfg = config_from_yaml(loose, modelzoo_release="R_1.7.1", modelzoo_model="bert")
     assert cfg.fp16_type == "float16"  # bert/utils.py of R_1.7.1: use_bfloat16 False (L51)
+
+
+def test_log_steps_is_read_from_both_layouts_and_checked():
+    legacy = {**_legacy(log_summaries=True), "runconfig": {"log_steps": 50}}
+    assert config_from_params(legacy, modelzoo_release="1.9").extras["log_steps"] == 50
+    current = _current(fp16_type="float16")
+    current["trainer"]["init"]["logging"] = {"log_steps": 10}
+    assert config_from_params(current).extras["log_steps"] == 10
+    assert "log_steps" not in config_from_params(_current(fp16_type="float16")).extras
+    # log_steps alone is not a precision setting: fp32 without a scaler, as before
+    assert not config_from_params({"runconfig": {"log_steps": 5}}).mixed_precision
+    with pytest.raises(ConfigError, match=r"runconfig\.log_steps: expected a positive integer"):
+        config_from_params({**legacy, "runconfig": {"log_steps": 0}})
+    current["trainer"]["init"]["logging"] = {"log_steps": "often"}
+    with pytest.raises(ConfigError, match=r"trainer\.init\.logging\.log_steps: expected a positive integer"):
+        config_from_params(current)

@@ -242,7 +242,8 @@ class CompiledStep:
         had = {k: opt.__dict__[k] for k in ("step", "zero_grad") if k in opt.__dict__}
         opt.step = self._ctx.step
         opt.zero_grad = self._ctx.zero_grad
-        track = self.config.dynamic
+        # found_inf, stepped() and the scale log follow every step that scales, as after update()
+        track = self.config.enabled and self.scaler is not None
         skipped = self.scaler.state.num_skipped_steps.clone() if track else None
         try:
             with torch._dynamo.config.patch(trace_autograd_ops=True,
@@ -320,6 +321,7 @@ def compile(
     process_group: Any = None,
     broadcast_params: bool = True,
     model: torch.nn.Module | None = None,
+    summary_writer: Any = None,
 ) -> CompiledStep:
     """Compile a whole eager training step (forward, backward, optimizer, DLS) as one graph.
 
@@ -344,6 +346,11 @@ def compile(
     (see `CompiledStep`; ``dlspass.debug.faults.install_faults`` adds one). ``model``: the
     graph names the parameters of ``model`` by its parameter names (``fc1.weight``) instead of
     ``group{i}.param{j}``, as ``capture_step`` does.
+
+    Scale logging: with the config's ``log_loss_scale`` or a ``summary_writer`` (a
+    ``torch.utils.tensorboard.SummaryWriter``) the scaler logs the scale and the skipped steps
+    after the graph ran, every ``log_steps`` steps, with no host sync on the other steps
+    (`GradScaler.log_scale`).
 
     Data parallelism: with ``process_group`` (a ``torch.distributed`` group, or ``True`` for
     the world) every rank runs the step on its own batch shard and the one compiled graph also
@@ -381,6 +388,9 @@ def compile(
     if scaler is None and config is not None and resolved.enabled:
         from dlspass.scaler import GradScaler
 
-        scaler = GradScaler(config=resolved)
+        scaler = GradScaler(config=resolved, summary_writer=summary_writer)
+    elif scaler is not None and resolved.enabled and (
+            summary_writer is not None or (resolved.log_loss_scale and scaler.scale_log is None)):
+        scaler.log_scale(summary_writer)
     return CompiledStep(fn, optimizer, scaler, resolved, backend_compiler, passes,
                         process_group, broadcast_params, model)

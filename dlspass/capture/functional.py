@@ -338,9 +338,13 @@ class CapturedStep:
             self.rebuild()
         flat = self._inputs_for(self._batch_leaves(batch))
         self.num_calls += 1
+        skipped = self.scaler.state.num_skipped_steps  # replaced, not written, by _write_back
         with torch.no_grad():
             out = list(self._runner(*flat))
         self._write_back(out)
+        if self.config is not None and self.config.enabled:
+            # found_inf, stepped() and the scale log follow the step, as after update()
+            self.scaler.record_compiled_step(skipped, self.optimizer)
         return out[-1]
 
     def _write_back(self, out: list[Tensor]) -> None:
@@ -378,10 +382,11 @@ def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
         return compile_fx(gm, example)
 
 
-def _make_scaler(config: DLSConfig | None) -> Any:
+def _make_scaler(config: DLSConfig | None, summary_writer: Any = None) -> Any:
     from dlspass.scaler import GradScaler
 
-    return GradScaler(config=config or DLSConfig(loss_scale=None, mixed_precision=False))
+    return GradScaler(config=config or DLSConfig(loss_scale=None, mixed_precision=False),
+                      summary_writer=summary_writer)
 
 
 def capture_step(
@@ -400,6 +405,7 @@ def capture_step(
     process_group: Any = None,
     agree_flag: bool = True,
     broadcast_params: bool = True,
+    summary_writer: Any = None,
 ) -> CapturedStep:
     """Capture ``loss_fn(model, batch)`` + backward + ``optimizer`` as one graph, with DLS.
 
@@ -416,6 +422,8 @@ def capture_step(
     and checks them, so ranks stay identical as under DDP; as DDP does at construction,
     ``broadcast_params`` first copies the parameters and buffers of the group's first rank to
     all ranks, and ``agree_flag`` all-reduces the overflow flag too.
+    The step's scaler (``step.scaler``) logs the scale after each step that scales when the
+    config has ``log_loss_scale`` or a ``summary_writer`` is given (`GradScaler.log_scale`).
 
     Example:
         >>> import torch, dlspass
@@ -436,7 +444,8 @@ def capture_step(
         _join_group(model, process_group, broadcast_params)
         data_parallel = DataParallel(process_group, agree_flag)
     return build_step(model, loss_fn, optimizer, example_batch, config, compile=compile,
-                      graph_passes=graph_passes, data_parallel=data_parallel)
+                      graph_passes=graph_passes, data_parallel=data_parallel,
+                      summary_writer=summary_writer)
 
 
 def capture_step_distributed(*args: Any, process_group: Any = None, **kwargs: Any) -> CapturedStep:
@@ -472,9 +481,9 @@ def _join_group(model: nn.Module, group: Any, broadcast_params: bool) -> None:
 def build_step(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                example_batch: Any, config: DLSConfig | None, *, compile: bool = False,
                graph_passes: Sequence[GraphPass] = (), data_parallel: DataParallel | None = None,
-               ) -> CapturedStep:
+               summary_writer: Any = None) -> CapturedStep:
     """Trace the step and wrap it as a ``CapturedStep``, which runs the step pipeline
     (`run_step_pipeline`) on it: the one assembly line of every captured step."""
     gm, layout, fopt = trace_step(model, loss_fn, optimizer, example_batch, config)
-    return CapturedStep(model, optimizer, gm, layout, fopt, _make_scaler(config), config,
+    return CapturedStep(model, optimizer, gm, layout, fopt, _make_scaler(config, summary_writer), config,
                         compile=compile, graph_passes=graph_passes, data_parallel=data_parallel)

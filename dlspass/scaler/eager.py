@@ -39,6 +39,7 @@ from torch import Tensor
 from dlspass import distributed, scale_policy
 from dlspass.config import DLSConfig
 from dlspass.errors import InputTypeError, InputValueError
+from dlspass.scale_log import ScaleLogger, log_steps
 from dlspass.scale_policy import ScalerState, clip, dls_tail, dls_tail_, init_state, update_state
 from dlspass.scaler.errors import ScaleFloorError, ScaleFloorWarning, ScalerUsageError
 from dlspass.scaler.optimizer_step import (
@@ -102,6 +103,8 @@ class GradScaler:
         device: where the state lives; ``None`` moves it lazily to the first scaled loss.
         process_group: the group ranks agree over (``None``: the default group when
             ``torch.distributed`` is initialized; nothing is communicated with one rank).
+        summary_writer: a ``torch.utils.tensorboard.SummaryWriter`` the scale is logged to
+            (`log_scale`); the config's ``log_loss_scale`` logs it to Python logging alone.
 
     ``found_inf`` is a property: the last finished iteration's overflow flag (0-d bool tensor).
     """
@@ -124,6 +127,7 @@ class GradScaler:
         *,
         initial_loss_scale: float | None = None,
         process_group: Any = None,
+        summary_writer: Any = None,
     ) -> None:
         if init_scale is not None and initial_loss_scale is not None:
             raise InputValueError("init_scale and initial_loss_scale are aliases: give only one")
@@ -155,10 +159,10 @@ class GradScaler:
                 max_gradient_norm=max_gradient_norm, max_gradient_value=max_gradient_value,
                 fp16_type=fp16_type, policy=policy, on_scale_floor=on_scale_floor,  # type: ignore[arg-type]
             )
-        self._setup(config, device, process_group)
+        self._setup(config, device, process_group, summary_writer)
 
     def _setup(self, config: DLSConfig, device: torch.device | str | None,
-               process_group: Any = None) -> None:
+               process_group: Any = None, summary_writer: Any = None) -> None:
         self.config = config  # what the user configured; `state_dict` writes this one
         self.process_group = process_group
         # The config the math runs on: `config`, or a copy with fp16_type="bfloat16" once a
@@ -177,6 +181,9 @@ class GradScaler:
         self._updates = 0
         self._floor_reported = False
         self._bf16_warned = False
+        self.scale_log: ScaleLogger | None = None
+        if config.log_loss_scale or summary_writer is not None:
+            self.log_scale(summary_writer)
         if config.fp16_type == "bfloat16" and config.loss_scale is not None:
             self._warn_bf16("fp16_type='bfloat16'")
 
@@ -383,6 +390,22 @@ class GradScaler:
         self._updates += 1
         if self._updates % FLOOR_CHECK_EVERY == 0:
             self._check_floor()
+        if self.scale_log is not None:
+            self.scale_log.step()
+
+    def log_scale(self, writer: Any = None, *, every: int | None = None) -> ScaleLogger:
+        """Log the scale, the skipped-step count and the skipped steps every ``every`` updates
+        (default: Model Zoo's ``log_steps`` from ``config.extras``, else 100) to the
+        ``dlspass.scale_log`` logger and, when given, to ``writer`` (a ``SummaryWriter``),
+        reading the device once per logging step (`dlspass.scale_log.ScaleLogger`).
+
+        On from the start with ``log_loss_scale`` or ``summary_writer=``; ``dlspass.compile``
+        and ``capture_step`` switch it on for the scaler they run. Replaces the logger the
+        scaler had (steps keep counting from this scaler's updates).
+        """
+        self.scale_log = ScaleLogger(self, every or log_steps(self.config), writer=writer,
+                                     first_step=self._updates + 1)
+        return self.scale_log
 
     def get_scale(self) -> Tensor:
         """The scale the next ``scale()`` uses (0-d float32; 1.0 when disabled).

@@ -51,6 +51,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         enabled: bool = True,
         *,
         process_group: Any = None,
+        summary_writer: Any = None,
     ) -> None:
         if enabled and device == "cuda" and not torch.cuda.is_available():
             warnings.warn("dlspass.TorchGradScaler is enabled, but CUDA is not available. "
@@ -71,7 +72,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
             backoff_factor=backoff_factor, policy="torch",
             min_loss_scale=FLOAT32_TINY,  # no floor: torch lets the scale decay
         )
-        self._setup(cfg, None, process_group)
+        self._setup(cfg, None, process_group, summary_writer)
 
     # ---- torch.amp's lazy set-up and the private protocol fused optimizers use -------------
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
