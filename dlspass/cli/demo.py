@@ -137,7 +137,7 @@ def run_demo(steps: int = 100, seed: int = 0, out_dir: str | Path | None = None,
     Returns the DLS run's numbers at the top level: ``start_loss``/``end_loss`` (float32 loss of
     one fixed held-out batch before and after training), ``first_train_loss``/
     ``last_train_loss``, ``initial_scale``, ``final_scale``, ``skipped_steps``, the per-step
-    ``losses``/``scales``/``skipped`` lists; and ``steps``, ``seed``, ``spikes``, ``format``,
+    ``losses``/``scales``/``skipped``/``step_seconds`` lists; and ``steps``, ``seed``, ``spikes``, ``format``,
     ``loss_weight``, ``backend_compiler``, ``graph_breaks``, ``seconds``, ``compile_seconds`` (the
     DLS step's first call, which compiles; with ``compare`` also ``unscaled_compile_seconds``).
     With ``compare`` also ``fp32`` (plain eager torch in float32) and ``unscaled`` (float16
@@ -209,6 +209,7 @@ def _run(label: str, step: Callable, scaler: GradScaler | None, spiked: frozense
     scales: list[float] = []
     skipped: list[int] = []
     code: list[str] = []
+    seconds: list[float] = []
     first_call = 0.0
     held_out = _held_out(seed)
     start_loss = _eval(model, held_out)
@@ -218,13 +219,14 @@ def _run(label: str, step: Callable, scaler: GradScaler | None, spiked: frozense
         spike = torch.tensor(_SPIKE if i + 1 in spiked else 1.0)
         if scaler is not None:
             scales.append(float(scaler.get_scale()))  # the scale this step's backward uses
+        t1 = time.perf_counter()
         if i == 0 and label in _COMPILED_RUNS:
-            t1 = time.perf_counter()
             loss, code = _first_call(step, backend_compiler, idx, tgt, spike)
             first_call = time.perf_counter() - t1
         else:
             loss = step(idx, tgt, spike)
         losses.append(float(loss))
+        seconds.append(time.perf_counter() - t1)  # float(loss) waited for the step
         post = {"loss": f"{losses[-1]:.3f}"}
         if scaler is not None:
             skipped.append(int(scaler.get_num_skipped_steps()))
@@ -233,7 +235,7 @@ def _run(label: str, step: Callable, scaler: GradScaler | None, spiked: frozense
     bar.close()
     out: dict[str, Any] = {"start_loss": start_loss, "end_loss": _eval(model, held_out),
                            "first_train_loss": losses[0], "last_train_loss": losses[-1],
-                           "losses": losses}
+                           "losses": losses, "step_seconds": seconds}
     if scaler is not None:
         out.update(initial_scale=scales[0], final_scale=float(scaler.get_scale()),
                    skipped_steps=int(scaler.get_num_skipped_steps()), scales=scales,
@@ -300,7 +302,8 @@ def _train(steps: int, seed: int, out_dir: str | Path | None, quiet: bool,
 
         report = summarize_graph(step.graphs[0], name="dlspass demo: compiled TinyGPT step (float16, DLS)")
         # the demo's summary (the three runs, the spike, the kernel counts) above the DLS graph
-        summary = f"<h2>dlspass demo</h2>\n<pre>{html.escape(format_summary(result))}</pre>\n"
+        summary = (f"<h2>dlspass demo</h2>\n<pre>{html.escape(format_summary(result))}</pre>\n"
+                   f"{report_plots(result)}\n")
         _write(Path(out_dir) / "report.html", render(report, "html").replace("<body>", "<body>\n" + summary, 1))
         _write(Path(out_dir) / "demo_metrics.json", json.dumps(result, indent=2) + "\n")
     return result
@@ -364,6 +367,27 @@ def _eval(model: nn.Module, batch: tuple[Tensor, Tensor]) -> float:
         return float(gpt_loss(model, batch))
     finally:
         model.train(was_training)
+
+
+def report_plots(result: dict[str, Any]) -> str:
+    """The report's plots: each run's training loss, the DLS run's scale with its skipped steps
+    marked, and each run's seconds per step (from the second step: the first compiles)."""
+    from dlspass.debug.svg_plot import line_chart
+
+    runs = {_DLS: result}
+    if "fp32" in result:
+        runs = {"float32 (eager torch)": result["fp32"], _UNSCALED: result["unscaled"], **runs}
+    counts = result["skipped"]
+    skipped = [i + 1 for i, c in enumerate(counts) if c > (counts[i - 1] if i else 0)]
+    plots = [
+        line_chart("training loss per step", {k: r["losses"] for k, r in runs.items()},
+                   y_label="loss"),
+        line_chart("loss scale per step (DLS run), skipped steps marked", {"loss scale": result["scales"]},
+                   y_label="scale", log2_y=True, marks=skipped, mark_label="skipped step"),
+        line_chart("seconds per step (from step 2; the first call compiles)",
+                   {k: r["step_seconds"][1:] for k, r in runs.items()}, y_label="seconds", first_x=2),
+    ]
+    return "<section class='plots'>\n" + "\n".join(plots) + "\n</section>"
 
 
 def _exp2(v: float) -> str:

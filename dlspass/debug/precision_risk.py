@@ -350,9 +350,10 @@ def _svg_histogram(hist: dict[int, int], r: FormatRange, title: str) -> str:
                  else "#fb3" if e < marks["min normal"] else "#37a")
         bars.append(f"<rect class='bar' x='{x(e):.1f}' y='{h - pad - bh:.1f}' width='{bw:.1f}' "
                     f"height='{bh:.1f}' fill='{color}'><title>2^{e}: {n}</title></rect>")
+    # labels on two rows: bfloat16's min subnormal and min normal are 7 binades apart
     lines = [f"<line x1='{x(v):.1f}' x2='{x(v):.1f}' y1='{pad - 8}' y2='{h - pad}' stroke='#000' "
-             f"stroke-dasharray='3,2'/><text x='{x(v) + 2:.1f}' y='{pad - 10}' font-size='10'>"
-             f"{name}</text>" for name, v in marks.items()]
+             f"stroke-dasharray='3,2'/><text x='{x(v) + 2:.1f}' y='{pad - 10 - 10 * (i % 2)}' "
+             f"font-size='10'>{name}</text>" for i, (name, v) in enumerate(marks.items())]
     axis = (f"<line x1='{pad}' x2='{w - pad}' y1='{h - pad}' y2='{h - pad}' stroke='#000'/>"
             f"<text x='{pad}' y='{h - 8}' font-size='10'>log2|x| = {lo}</text>"
             f"<text x='{w - pad - 70}' y='{h - 8}' font-size='10'>log2|x| = {hi}</text>")
