@@ -22,11 +22,12 @@ pytestmark = pytest.mark.skipif(shutil.which("chromium") is None, reason="chromi
 WINDOW = (1000, 1600)
 
 
-def _chromium(tmp_path: Path, page: Path, *args: str) -> subprocess.CompletedProcess:
+def _chromium(tmp_path: Path, page: Path, *args: str,
+              size: tuple[int, int] = WINDOW) -> subprocess.CompletedProcess:
     res = subprocess.run(
         ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--no-first-run", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}",
-         f"--window-size={WINDOW[0]},{WINDOW[1]}", *args, page.as_uri()],
+         f"--window-size={size[0]},{size[1]}", *args, page.as_uri()],
         capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-500:]
     return res
@@ -79,6 +80,26 @@ def test_demo_report_shows_the_loss_scale_and_time_plots(demo_report, tmp_path, 
     for color in COLORS[:3]:
         assert pixels_near(img, _rgb(color)) > 100, color
     assert pixels_near(img, (0xdd, 0x00, 0x00)) > 20
+
+
+def test_demo_step_drawing_is_by_region_with_the_dls_passes_open(demo_report, tmp_path):
+    """The demo's compiled step (900+ ops): each DLS pass drawn small and labelled, open; the
+    forward, backward and optimizer folded (Chromium renders no drawing inside a closed
+    ``<details>``, so the page's orange is the DLS drawings')."""
+    dom = _chromium(tmp_path, demo_report, "--dump-dom").stdout
+    opened = re.findall(r'<details class="region dls-pass" data-region="dls" data-pass="(\w+)" open="">', dom)
+    assert opened == ["scale_seed", "unscale_grads", "guard_updates", "update_scale"]
+    folded = re.findall(r'<details class="region" data-region="(\w+)">', dom)
+    assert {"forward", "backward", "optimizer"} <= set(folded)
+    total = int(re.search(r"<td>ops</td><td>(\d+)</td>", dom).group(1))
+    assert total > 900
+    for block in re.findall(r'data-pass="\w+" open="">(.*?)</details>', dom, re.S):
+        assert block.count("<circle") <= 60 and block.count('class="label"') == block.count("<circle")
+    # the DLS drawings are on screen: their orange (#f28e2b) ops and their labels
+    shot = tmp_path / "tall.png"
+    _chromium(tmp_path, demo_report, f"--screenshot={shot}", size=(1200, 4000))
+    tall = Image.open(shot).convert("RGB")
+    assert pixels_near(tall, (0xf2, 0x8e, 0x2b), tol=30) > 2000
 
 
 def test_analyze_page_shows_the_histograms(tmp_path, capsys, monkeypatch):

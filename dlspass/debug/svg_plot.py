@@ -30,8 +30,8 @@ def line_chart(title: str, series: Mapping[str, Sequence[float]], *, x_label: st
     ys = [v for vals in pts.values() for v in vals if v is not None]
     n = max((len(v) for v in pts.values()), default=1)
     lo, hi = (min(ys), max(ys)) if ys else (0.0, 1.0)
-    if hi - lo < 1e-12:
-        lo, hi = lo - 1, hi + 1
+    if hi - lo < 1e-12:  # one value: a band around it (that stays positive for a positive value)
+        lo, hi = (lo * 0.5, hi * 1.5) if lo > 0 and not log2_y else (lo - 1, hi + 1)
     x0, x1 = first_x, first_x + max(n - 1, 1)
 
     def px(i: float) -> float:
