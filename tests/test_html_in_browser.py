@@ -102,8 +102,7 @@ def test_demo_step_drawing_is_by_region_with_the_dls_passes_open(demo_report, tm
     assert pixels_near(tall, (0xf2, 0x8e, 0x2b), tol=30) > 2000
 
 
-def test_analyze_page_shows_the_histograms(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(Path(__file__).parent)  # cli_factories beside the tests
+def test_analyze_page_shows_the_histograms(tmp_path, capsys):
     page = tmp_path / "analyze.html"
     assert cli.run(["analyze", "cli_factories:mlp", "--format", "html", "-o", str(page),
                     "--formats", "float16,float8_e4m3fn"]) == 0
