@@ -15,11 +15,13 @@ reaches any parameter either way. (In the cerebras policy the global-norm test t
 optimizer; with one optimizer it is the global norm of docs/SEMANTICS.md §1.5.) How a step is
 skipped without a host sync: `dlspass.scaler.optimizer_step`.
 
-Distributed training (``dlspass.distributed``): once ``torch.distributed`` is initialized the
-scaler agrees over the default process group (``process_group=`` overrides) with one on-device
-``all_reduce`` per optimizer and iteration, which gives both the global gradient norm (FSDP2
-shards summed, DDP replicas counted once) and an overflow flag every rank shares; DTensor
-gradients and parameters are handled through their local shards.
+Distributed training (``dlspass.distributed``, docs/DISTRIBUTED.md): once
+``torch.distributed`` is initialized the scaler agrees over the default process group
+(``process_group=`` overrides) with one on-device ``all_reduce`` per optimizer and iteration,
+which gives both the global gradient norm (shards summed over every mesh dimension, replicas -
+DDP's, HSDP's, tensor parallelism's - counted once, read from each gradient's DTensor
+placements) and an overflow flag every rank shares; DTensor gradients and parameters are
+handled through their local shards.
 
 The scale-floor signal (`ScaleFloorWarning`, or `ScaleFloorError` with
 ``on_scale_floor="raise"``) reads the floor counter lazily: in ``get_scale()``, in
@@ -101,8 +103,10 @@ class GradScaler:
             `DLSConfig` (``None`` means the policy's default).
         config: a ready `DLSConfig` instead of the keywords (not both).
         device: where the state lives; ``None`` moves it lazily to the first scaled loss.
-        process_group: the group ranks agree over (``None``: the default group when
-            ``torch.distributed`` is initialized; nothing is communicated with one rank).
+        process_group: the group ranks agree over: a ProcessGroup or a DeviceMesh (the group
+            over its ranks); ``None``: the default group when ``torch.distributed`` is
+            initialized; nothing is communicated with one rank. It must hold every rank that
+            holds a piece of the optimizer's gradients (for a 2-D mesh: the whole mesh).
         summary_writer: a ``torch.utils.tensorboard.SummaryWriter`` the scale is logged to
             (`log_scale`); the config's ``log_loss_scale`` logs it to Python logging alone.
 
@@ -303,8 +307,8 @@ class GradScaler:
     def _unscale_distributed(self, optimizer: torch.optim.Optimizer, group: Any) -> Tensor:
         """`unscale_` on local shards, with the flag and norm agreed over ``group``."""
         params = params_with_grad(optimizer)
+        weights = distributed.grad_weights([p.grad for p in params], group)
         grads = [distributed.local_tensor(p.grad) for p in params]
-        sharded = [distributed.is_sharded(p.grad) for p in params]
         cfg = self._active_config
         scale = self.state.loss_scale
         if grads:
@@ -314,7 +318,7 @@ class GradScaler:
         else:
             unscaled = [g.to(torch.float32) for g in grads]
         isfinite, norm = distributed.check_overflow_distributed(
-            unscaled, sharded, cfg, group, device=scale.device)
+            unscaled, weights, cfg, group, device=scale.device)
         if grads:
             torch._foreach_copy_(grads, clip(unscaled, norm, cfg))
         return isfinite

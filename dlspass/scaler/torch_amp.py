@@ -33,7 +33,9 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
 
     Added on top: the sync-free ``get_scale_tensor()``, ``found_inf`` and ``stepped(opt)``
     (for `hold_scheduler_on_skip`); checkpoints checked before anything is restored
-    (`ScalerStateError`); agreement over ``process_group`` under ``torch.distributed``; and
+    (`ScalerStateError`); agreement over ``process_group`` under ``torch.distributed``
+    (as `GradScaler`'s: one all-reduce whose flag and norm read every gradient's DTensor
+    placements, where torch.amp reduces ``found_inf`` by the first gradient of each group); and
     one guard: below a scale of 1, where unscaling can turn finite gradients into inf, a
     step whose unscaled gradients are not finite is skipped with a warning instead of writing
     inf/NaN into the parameters (the scale trajectory stays torch's). As torch,
