@@ -13,8 +13,16 @@ Rows: torch.amp.GradScaler (DDP) and ``torch.distributed.fsdp.sharded_grad_scale
 whose collectives are graph nodes. The last column injects an inf into one gradient of rank 1
 after the gradient reduction and reports whether rank 0 skipped too (ranks stay identical).
 
-Usage: ``.venv/bin/python tools/bench/bench_distributed.py``. Writes
-``tools/bench/results/distributed.md`` and returns the Markdown from `main()`.
+A second run on 4 gloo processes measures the agreement on the same FSDP2 and 2-D mesh runs
+against torch's own path: FSDP2 on a 1-D mesh of 4, FSDP + tensor parallel (2x2: ColwiseParallel
+/ RowwiseParallel on "tp", ``fully_shard`` on "dp") and HSDP (``fully_shard`` on a 2x2
+replicate x shard mesh), each with ``torch.amp.GradScaler``, ``dlspass.TorchGradScaler`` and
+``dlspass.GradScaler``; per step the collectives and bytes of the scaler's part and its wall
+time, medians over ``--repeats`` repeats that interleave the scalers (their order rotates).
+
+Usage: ``.venv/bin/python tools/bench/bench_distributed.py [--repeats N]``. Writes
+``tools/bench/results/distributed.md`` and returns the Markdown from `main()`;
+``--smoke`` (2 repeats) only prints it.
 """
 
 from __future__ import annotations
@@ -23,9 +31,11 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -36,6 +46,8 @@ import torch
 
 RESULTS = Path(__file__).parent / "results" / "distributed.md"
 WORLD = 2
+MESH_WORLD = 4
+REPEATS = 20
 STEPS = 3
 MAX_NORM = 0.05
 _COUNTED = ("all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather",
@@ -192,6 +204,102 @@ def _captured_row(rank: int, agree_flag: bool) -> dict[str, Any]:
             "grad_bytes": nbytes(grad), "rank0_skipped": bool(torch.equal(before, after))}
 
 
+def _mesh_model(layout: str) -> torch.nn.Module:
+    """The MLP on ``layout``: "fsdp" (1-D, all ranks), "fsdp_tp" (2x2) or "hsdp" (2x2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from dlspass.models import MLP
+
+    torch.manual_seed(0)
+    net = MLP()
+    if layout == "fsdp":
+        fully_shard(net)
+    elif layout == "hsdp":
+        fully_shard(net, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard")))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(net, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        fully_shard(net, mesh=mesh["dp"])
+    return net
+
+
+MESH_LAYOUTS = [("FSDP2 1-D (4)", "fsdp"), ("FSDP + TP (2x2)", "fsdp_tp"), ("HSDP (2x2)", "hsdp")]
+MESH_SCALERS = ["torch.amp.GradScaler", "dlspass.TorchGradScaler", "dlspass.GradScaler"]
+
+
+def _mesh_scaler(kind: str) -> Any:
+    import dlspass
+
+    if kind == "torch.amp.GradScaler":
+        return torch.amp.GradScaler("cpu", init_scale=1024.0)
+    if kind == "dlspass.TorchGradScaler":
+        return dlspass.TorchGradScaler("cpu", init_scale=1024.0)
+    return dlspass.GradScaler(init_scale=1024.0, policy="torch")
+
+
+def _mesh_rows(rank: int, counter: CollectiveCounter, repeats: int) -> list[dict[str, Any]]:
+    """Every (layout, scaler) pair built once, then ``repeats`` rounds of one step each, the
+    pairs interleaved (the order rotates per round); the scaler's part is counted and timed."""
+    from dlspass.models import mse_loss
+
+    runs = []
+    for setup, layout in MESH_LAYOUTS:
+        for kind in MESH_SCALERS:
+            net = _mesh_model(layout)
+            runs.append({"setup": setup, "scaler": kind, "net": net, "scaler_obj": _mesh_scaler(kind),
+                         "opt": torch.optim.SGD(net.parameters(), lr=0.01),
+                         "calls": [], "bytes": [], "us": []})
+    batch_of = {"fsdp": MESH_WORLD, "hsdp": MESH_WORLD, "fsdp_tp": 2}
+    for rep in range(repeats + 1):  # round 0 warms up and is not kept
+        order = runs[rep % len(runs):] + runs[:rep % len(runs)]
+        for run in order:
+            layout = dict(MESH_LAYOUTS)[run["setup"]]
+            n = batch_of[layout]
+            shard = rank if n == MESH_WORLD else rank // 2  # the dp coordinate of a 2x2 mesh
+            g = torch.Generator().manual_seed(rep)
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+            scaler, opt = run["scaler_obj"], run["opt"]
+            scaler.scale(mse_loss(run["net"], (x.chunk(n)[shard], y.chunk(n)[shard]))).backward()
+            torch.distributed.barrier()  # time the scaler's part only, from a common start
+            c0, b0 = counter.calls, counter.bytes
+            t0 = time.perf_counter()
+            with counter.counting():
+                scaler.step(opt)
+                scaler.update()
+            dt = time.perf_counter() - t0
+            opt.zero_grad(set_to_none=True)
+            if rep:
+                run["calls"].append(counter.calls - c0)
+                run["bytes"].append(counter.bytes - b0)
+                run["us"].append(dt * 1e6)
+    return [{"setup": r["setup"], "scaler": r["scaler"],
+             "calls": statistics.median(r["calls"]), "bytes": statistics.median(r["bytes"]),
+             "us": statistics.median(r["us"])} for r in runs]
+
+
+def _mesh_worker(rank: int, port: int, out: str, repeats: int) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=MESH_WORLD, timeout=timedelta(seconds=120))
+    counter = CollectiveCounter()
+    with counter.patched():
+        rows = _mesh_rows(rank, counter, repeats)
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
 ROWS = [
     ("DDP", "torch.amp.GradScaler", "ddp", "torch", False),
     ("DDP", "torch.amp.GradScaler + clip_grad_norm_", "ddp", "torch", True),
@@ -244,17 +352,24 @@ def _fmt(v: float) -> str:
     return f"{v:g}"
 
 
-def main() -> str:
-    """Run the 2-process measurement, write ``results/distributed.md`` and return it."""
+def _run_workers(world: int, *extra: str) -> list[dict[str, Any]]:
+    """Start ``world`` worker processes of this file; rank 0's rows."""
     out = os.path.join(tempfile.mkdtemp(prefix="dlspass_bench_dist_"), "rows.json")
     port = _free_port()
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(port), out],
-                              env=env) for r in range(WORLD)]
+    procs = [subprocess.Popen([sys.executable, __file__, *extra[:1], str(r), str(port), out,
+                               *extra[1:]], env=env) for r in range(world)]
     for p in procs:
         if p.wait(timeout=600) != 0:
             raise RuntimeError(f"bench worker failed (rc {p.returncode})")
-    rows = json.loads(Path(out).read_text())
+    return json.loads(Path(out).read_text())
+
+
+def main(repeats: int = REPEATS, write: bool = True) -> str:
+    """Run the 2- and 4-process measurements, write ``results/distributed.md`` (unless
+    ``write`` is False) and return the Markdown."""
+    rows = _run_workers(WORLD, "--worker")
+    mesh_rows = _run_workers(MESH_WORLD, "--mesh-worker", str(repeats))
     lines = [
         "# Distributed DLS: communication per step",
         "",
@@ -293,14 +408,46 @@ def main() -> str:
         "(the ranks' parameters then diverge).",
         "",
     ]
+    lines += [
+        "## The same FSDP2 and 2-D mesh runs against torch.amp.GradScaler",
+        "",
+        f"{MESH_WORLD} gloo processes, the same MLP; per step, the scaler's part (`step` + "
+        f"`update`, which unscales): collectives, bytes and wall time (microseconds, rank 0), "
+        f"medians over {repeats} repeats that interleave the rows (the order rotates per "
+        f"repeat, a barrier before each timed part).",
+        "",
+        "| setup | scaler | collectives / step | bytes / step | median time / step (us) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in mesh_rows:
+        lines.append(f"| {r['setup']} | {r['scaler']} | {_fmt(r['calls'])} | {_fmt(r['bytes'])} "
+                     f"| {r['us']:.0f} |")
+    lines += [
+        "",
+        "dlspass sends one 8-byte all-reduce on every layout (the weighted squared norm and the "
+        "flag); torch.amp.GradScaler's count depends on the first gradient's placements "
+        "(one Partial(max) redistribution per mesh dimension that gradient is not replicated "
+        "on) and it never reduces over a Replicate dimension (docs/DISTRIBUTED.md).",
+        "",
+    ]
     md = "\n".join(lines)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(md)
+    if write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(md)
     return md
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--mesh-worker":
+        _mesh_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
     else:
-        print(main())
+        import argparse
+
+        parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        parser.add_argument("--repeats", type=int, default=REPEATS)
+        parser.add_argument("--smoke", action="store_true",
+                            help="2 repeats; print the table, do not write results/")
+        args = parser.parse_args()
+        print(main(2 if args.smoke else args.repeats, write=not args.smoke))
