@@ -9,7 +9,8 @@ iterations, scales follow torch's rule, the ranks hold identical parameters, whi
 torch.amp's bit for bit where torch agrees over the mesh, and equal (fp32 tolerance) a
 single-process run on the concatenated batch that leaves the poisoned iterations out. Also: the
 global clip norm over shards on both mesh dimensions against the single-process norm, the
-layouts that stay refused, and ``dlspass.compile`` refusing an FSDP2 model in one line.
+layouts that stay refused, and ``dlspass.compile``, ``capture_step`` and
+``capture_step_distributed`` refusing FSDP2 and FSDP + TP parameters in one line.
 """
 
 from __future__ import annotations
@@ -186,23 +187,40 @@ def _refusals() -> dict:
         distributed.grad_weights([pending], distributed.resolve_group())
     except distributed.GradientLayoutError as e:
         out["partial"] = str(e)
-    # dlspass.compile on FSDP2 parameters: refused at the first call, with and without broadcast
+    # the step front ends on FSDP2 (1-D) and FSDP + TP parameters: refused at the first call,
+    # with and without the parameter broadcast (capture_step without a group too)
     from torch.distributed.fsdp import fully_shard
 
-    from dlspass.models import MLP
+    from dlspass.config import DLSConfig
+    from dlspass.models import MLP, mse_loss
 
-    for broadcast in (True, False):
-        net = MLP()
-        fully_shard(net)
+    world = torch.distributed.group.WORLD
+    cfg = DLSConfig(mixed_precision=False)
+    for layout in ("fsdp", "fsdp_tp"):
+        if layout == "fsdp":
+            net = MLP()
+            fully_shard(net)
+        else:
+            net = _build("fsdp_tp")[0]
+        # one model for every front end: each refuses before it touches the model
         sgd = torch.optim.SGD(net.parameters(), lr=LR)
-        step = dlspass.compile(mse_train_step(net, sgd), optimizer=sgd, mixed_precision=False,
-                               backend_compiler="eager", broadcast_params=broadcast,
-                               process_group=torch.distributed.group.WORLD)
-        try:
-            step(x, y)
-            out[f"compile_broadcast_{broadcast}"] = ("ran", "")
-        except Exception as e:  # the test checks the type and the message
-            out[f"compile_broadcast_{broadcast}"] = (type(e).__name__, str(e))
+        for broadcast in (True, False):
+            for entry in ("compile", "capture_step_distributed", "capture_step"):
+                try:
+                    if entry == "compile":
+                        step = dlspass.compile(mse_train_step(net, sgd), optimizer=sgd,
+                                               mixed_precision=False, backend_compiler="eager",
+                                               broadcast_params=broadcast, process_group=world)
+                        step(x, y)
+                    elif entry == "capture_step_distributed":
+                        dlspass.capture_step_distributed(net, mse_loss, sgd, (x, y), cfg,
+                                                         broadcast_params=broadcast)
+                    else:  # no group: a step graph takes no DTensor parameters at all
+                        dlspass.capture_step(net, mse_loss, sgd, (x, y), cfg)
+                    got = ("ran", "")
+                except Exception as e:  # the test checks the type and the message
+                    got = (type(e).__name__, str(e))
+                out[(entry, layout, broadcast)] = got
     return out
 
 
@@ -321,11 +339,17 @@ def test_what_stays_refused_is_named(ranks: list[dict]) -> None:
     for r in _get(ranks, "refusals"):
         assert "sharded over device-mesh dimension 'tp'" in r["dp_only_group"]
         assert "Partial placement" in r["partial"]
-        for broadcast in (True, False):
-            name, msg = r[f"compile_broadcast_{broadcast}"]
-            assert name == "UnsupportedParallelismError", msg
+        refused = {k: v for k, v in r.items() if isinstance(k, tuple)}
+        assert len(refused) == 12  # 3 front ends x 2 layouts x broadcast or not
+        messages = set()
+        for (entry, layout, broadcast), (name, msg) in refused.items():
+            assert name == "UnsupportedParallelismError", (entry, layout, broadcast, msg)
             assert "\n" not in msg
             assert "FSDP2" in msg and "dlspass.GradScaler" in msg and "process_group" in msg
+            prefix = "dlspass.compile" if entry == "compile" else "capture_step"
+            assert msg.startswith(prefix + ": "), msg
+            messages.add(msg.removeprefix(prefix + ": "))
+        assert len(messages) == 1  # one check, one message, whichever front end
 
 
 if __name__ == "__main__":

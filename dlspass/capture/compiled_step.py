@@ -57,11 +57,6 @@ CompileError = StepCaptureError
 """The name ``dlspass.compile``'s error had before `StepCaptureError` (the same class)."""
 
 
-class UnsupportedParallelismError(StepCaptureError):
-    """The optimizer's parameters are DTensors (FSDP2, tensor parallelism, a device mesh): the
-    compiled step supports replicated parameters only (``process_group=``, DDP-style)."""
-
-
 class StepNotCallableError(StepCaptureError, TypeError):
     """``dlspass.compile`` was given something that is not callable as the step."""
 
@@ -241,7 +236,8 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         opt = self.optimizer
         if self.num_calls == 0:
-            _refuse_dtensor_params(opt)
+            step_pipeline.refuse_dtensor_params(
+                "dlspass.compile", (p for g in opt.param_groups for p in g["params"]))
         if self._broadcast_pending:
             self._broadcast()
         self._ctx.refresh()
@@ -298,20 +294,6 @@ def _ignored_logging_functions() -> set[Callable[..., Any]]:
     added = {getattr(logging.Logger, name) for name in vars(logging.Logger)
              if name in _LOGGING_METHODS or name.endswith("_once") or name == "warning_advice"}
     return set(torch._dynamo.config.ignore_logging_functions) | {f for f in added if callable(f)}
-
-
-def _refuse_dtensor_params(optimizer: torch.optim.Optimizer) -> None:
-    """One line, before dynamo or a collective sees a DTensor parameter (the broadcast has no
-    DTensor sharding strategy; without it the trace breaks on FSDP2's hooks)."""
-    from dlspass.distributed import is_dtensor
-
-    if any(is_dtensor(p) for g in optimizer.param_groups for p in g["params"]):
-        raise UnsupportedParallelismError(
-            "dlspass.compile: the optimizer's parameters are DTensors (FSDP2, tensor parallelism "
-            "or another device-mesh layout), which the compiled step does not support; it "
-            "supports data parallelism over plain replicated parameters (an unwrapped model and "
-            "process_group=, DDP-style). With FSDP2 or a device mesh use the eager "
-            "dlspass.GradScaler or dlspass.TorchGradScaler (docs/DISTRIBUTED.md)")
 
 
 def _resolve_process_group(process_group: Any) -> Any:

@@ -421,7 +421,9 @@ def capture_step(
     its own batch shard, the graph averages the gradients over the group before DLS unscales
     and checks them, so ranks stay identical as under DDP; as DDP does at construction,
     ``broadcast_params`` first copies the parameters and buffers of the group's first rank to
-    all ranks, and ``agree_flag`` all-reduces the overflow flag too.
+    all ranks, and ``agree_flag`` all-reduces the overflow flag too. Parameters that are
+    DTensors (FSDP2, tensor parallelism) are refused here, before any collective or trace, with
+    `UnsupportedParallelismError`: use the eager scalers there (docs/DISTRIBUTED.md).
     The step's scaler (``step.scaler``) logs the scale after each step that scales when the
     config has ``log_loss_scale`` or a ``summary_writer`` is given (`GradScaler.log_scale`).
 
@@ -436,6 +438,8 @@ def capture_step(
         >>> float(step.scaler.get_scale())
         32768.0
     """
+    step_pipeline.refuse_dtensor_params("capture_step", [
+        *model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])])
     config = resolve_config(config, default=None, fp16_type=fp16_type,
                             mixed_precision=mixed_precision, max_gradient_norm=max_gradient_norm,
                             precision_mode=precision_mode)

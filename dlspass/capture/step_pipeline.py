@@ -22,12 +22,13 @@ Every front end that makes a whole training step (``capture_step``, ``dlspass.co
   outputs: the ``copy_`` epilogue changes where an update lands, not what it is.
 
 This module also holds what the two step front ends share besides the line itself: their error
-(`StepCaptureError`) and how they name parameters in the graph (`param_targets`).
+(`StepCaptureError`), their refusal of DTensor parameters (`refuse_dtensor_params`) and how they
+name parameters in the graph (`param_targets`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from dlspass.config import DLSConfig
+from dlspass.distributed import is_dtensor
 from dlspass.errors import InputRuntimeError
 from dlspass.graph import roles
 from dlspass.graph.invariants import verify
@@ -49,6 +51,28 @@ GraphPass = Callable[[fx.GraphModule], object]
 
 class StepCaptureError(InputRuntimeError):
     """The training step cannot be captured or compiled as one dlspass graph; the message says why."""
+
+
+class UnsupportedParallelismError(StepCaptureError):
+    """The step's parameters are DTensors (FSDP2, tensor parallelism, a device mesh): a step
+    graph supports replicated parameters only (``process_group=``, DDP-style)."""
+
+
+def refuse_dtensor_params(entry: str, params: Iterable[torch.Tensor]) -> None:
+    """Raise `UnsupportedParallelismError`, in one line that starts with ``entry`` (the front
+    end's name), when any of ``params`` is a DTensor.
+
+    Both step front ends call it before a collective or a trace sees such a parameter: the
+    parameter broadcast has no DTensor sharding strategy, dynamo breaks the graph on FSDP2's
+    hooks, and the graph's gradient all-reduce would average shards as if they were replicas.
+    """
+    if any(is_dtensor(p) for p in params):
+        raise UnsupportedParallelismError(
+            f"{entry}: the parameters are DTensors (FSDP2, tensor parallelism or another "
+            "device-mesh layout), which a captured or compiled step does not support; it "
+            "supports data parallelism over plain replicated parameters (an unwrapped model and "
+            "process_group=, DDP-style). With FSDP2 or a device mesh use the eager "
+            "dlspass.GradScaler or dlspass.TorchGradScaler (docs/DISTRIBUTED.md)")
 
 
 @dataclass(frozen=True)
