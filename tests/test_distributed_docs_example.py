@@ -1,22 +1,31 @@
 """docs/DISTRIBUTED.md's float16 FSDP2 loop: the text shown is the script's, and the script runs.
 
-The script (tools/examples/fsdp2_float16_finetune.py) is started exactly as the docs say, with
-``torch.distributed.run`` (what ``torchrun`` runs) on 2 gloo ranks on 127.0.0.1, with an inf
-written into one rank's gradient shard at one step: both ranks must skip that step (and only
-that one), end with the same parameters, and the loss must have come down.
+The script (tools/examples/fsdp2_float16_finetune.py) is started as the docs say, with
+``torch.distributed.run`` (what ``torchrun`` runs) on 2 gloo ranks, with an inf written into one
+rank's gradient shard at one step: both ranks must skip that step (and only that one), end with
+the same parameters, and the loss must have come down.
+
+The launch is made robust against what other tests and other processes on the machine leave
+behind: ``--standalone`` lets the launcher's own stores bind port 0 (a port picked beforehand
+and freed again can be taken by another socket before torchrun binds it on every address, and
+binding 127.0.0.1 to pick it does not see sockets on the other addresses), ``--local-addr``
+keeps the workers on 127.0.0.1, the launcher's environment variables (``MASTER_*``, ``RANK``,
+``PET_*`` flags, ``TORCHELASTIC_*``) are not inherited from the caller, and on a timeout the
+whole process group (torchrun and its workers) is killed, not torchrun alone, so no orphaned
+worker keeps running beside the next test.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from gloo_launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "examples" / "fsdp2_float16_finetune.py"
@@ -38,19 +47,34 @@ def test_docs_show_the_scripts_loop_and_command() -> None:
     assert "torchrun --nproc-per-node 2 tools/examples/fsdp2_float16_finetune.py" in doc
 
 
+# what torch.distributed.run and its workers read from the environment: a caller's value (a
+# test run under torchrun, an exported MASTER_PORT) must not reach this launch
+LAUNCHER_ENV = re.compile(r"(MASTER_ADDR|MASTER_PORT|RANK|LOCAL_RANK|GROUP_RANK|ROLE_RANK"
+                          r"|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_WORLD_SIZE|ROLE_WORLD_SIZE"
+                          r"|ROLE_NAME|PET_.*|TORCHELASTIC_.*|TORCH_DISABLE_SHARE_RDZV_TCP_STORE)")
+
+
+def _launch_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not LAUNCHER_ENV.fullmatch(k)}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
+    return env
+
+
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_example_runs_under_torchrun_on_two_gloo_ranks() -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--local-addr", "127.0.0.1", "--nproc-per-node", "2", str(SCRIPT),
            "--steps", str(STEPS), "--inject-inf-at", str(INJECT_AT)]
+    proc = subprocess.Popen(cmd, env=_launch_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     try:
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-                             cwd=ROOT)
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s")
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-4000:]
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s:\n{(stdout + stderr)[-4000:]}")
+    out = stdout + stderr
+    assert proc.returncode == 0, out[-4000:]
     done = re.findall(r"done rank (\d) skipped (\d+) checksum (\S+) final_loss (\S+)", out)
     assert sorted(d[0] for d in done) == ["0", "1"], out[-4000:]
     assert len({d[1] for d in done}) == 1  # both ranks skipped the same number of steps
