@@ -208,6 +208,15 @@ class GradScaler:
         self._found_inf = self._found_inf.to(device)
         self._lazy_device = False
 
+    # torch.amp's lazy set-up, which accelerate's FSDP2 load_state calls directly with _device
+    @property
+    def _device(self) -> str:
+        return str(self.state.loss_scale.device)
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        if self._lazy_device and self.state.loss_scale.device != torch.device(dev):
+            self._move_state(torch.device(dev))
+
     def _check_floor(self) -> None:
         """The lazy floor signal: one host read, never on the per-step path."""
         cfg = self._active_config

@@ -77,6 +77,10 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
         self._setup(cfg, None, process_group, summary_writer)
 
     # ---- torch.amp's lazy set-up and the private protocol fused optimizers use -------------
+    @property
+    def _device(self) -> str:
+        return self._amp_device
+
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
         if not self._amp_initialized:
             device = torch.device(dev)

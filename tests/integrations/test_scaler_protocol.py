@@ -1,0 +1,97 @@
+"""The parts of torch.amp.GradScaler's interface that training frameworks call directly.
+
+Each test runs the same code on ``torch.amp.GradScaler("cpu")`` and on a dlspass scaler and
+compares the scales, skip counts and parameters step by step (powers-of-two scales keep the
+unscaled fp32 gradients bit-identical). No framework is imported here: the calls are the ones
+the frameworks make (quoted from their source where it matters).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from framework_runs import OVERFLOW_STEP, batches, make_model
+
+from dlspass.config import DLSConfig
+from dlspass.scaler import GradScaler, TorchGradScaler
+
+INIT = 2.0**10
+INTERVAL = 2
+
+
+def _torch_amp() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=INIT, growth_interval=INTERVAL)
+
+
+def _dls_torch_policy() -> GradScaler:
+    return GradScaler(config=DLSConfig(policy="torch", initial_loss_scale=INIT,
+                                       steps_per_increase=INTERVAL))
+
+
+def _dls_torch() -> TorchGradScaler:
+    return TorchGradScaler("cpu", init_scale=INIT, growth_interval=INTERVAL)
+
+
+DLS_SCALERS = {"TorchGradScaler": _dls_torch, "GradScaler-policy-torch": _dls_torch_policy}
+
+
+def _scale_of(scaler) -> float:
+    return float(scaler.get_scale())
+
+
+def _train(model, opt, scaler, steps: range) -> list[tuple[float, torch.Tensor]]:
+    out = []
+    for i in steps:
+        x, y = batches()[i]
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if i == OVERFLOW_STEP:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        out.append((_scale_of(scaler), torch.cat([p.detach().reshape(-1).clone()
+                                                  for p in model.parameters()])))
+    return out
+
+
+def _fsdp2_load_state(scaler, opt, state: dict) -> None:
+    """What accelerate's ``Accelerator.load_state`` does with the scaler under FSDP2 (1.15):
+
+        self.scaler.load_state_dict(scaler_state)
+        self.scaler._lazy_init_scale_growth_tracker(self.scaler._device)
+
+    and then ``set_optimizer_state_dict`` initialises a fresh optimizer's state with one step on
+    zero gradients at lr 0, through the scaler of accelerate's wrapped optimizer (``scaler.step``
+    then ``scaler.update``), before any ``scaler.scale(loss)``."""
+    scaler.load_state_dict(state)
+    scaler._lazy_init_scale_growth_tracker(scaler._device)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    scaler.step(opt)
+    scaler.update()
+    for g, lr in zip(opt.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("make", DLS_SCALERS.values(), ids=DLS_SCALERS.keys())
+def test_accelerate_fsdp2_load_state_sequence_like_torch(make):
+    runs = {}
+    for name, factory in (("torch", _torch_amp), ("dlspass", make)):
+        model, opt = make_model()
+        first = factory()
+        _train(model, opt, first, range(0, 4))
+        state = first.state_dict()
+        resumed, (model2, opt2) = factory(), make_model()
+        model2.load_state_dict(model.state_dict())
+        _fsdp2_load_state(resumed, opt2, state)
+        opt2.load_state_dict(opt.state_dict())
+        runs[name] = _train(model2, opt2, resumed, range(4, 8))
+    assert [s for s, _ in runs["dlspass"]] == [s for s, _ in runs["torch"]]
+    for (_, a), (_, b) in zip(runs["dlspass"], runs["torch"], strict=True):
+        assert torch.equal(a, b)
