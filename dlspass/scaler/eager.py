@@ -492,8 +492,8 @@ class GradScaler:
         """Tensors and plain values only (``torch.load(weights_only=True)`` loads it).
 
         A dynamic scaler also writes its effective ``growth_factor``, ``backoff_factor`` and
-        ``growth_interval``, which `load_state_dict` restores (layout:
-        `dlspass.scaler.state_dict.write_state_dict`).
+        ``growth_interval``, which `load_state_dict` restores, and torch.amp's keys, which
+        torch.amp.GradScaler loads (layout: `dlspass.scaler.state_dict.write_state_dict`).
         """
         self._check_floor()
         return write_state_dict(self.config, self.state)

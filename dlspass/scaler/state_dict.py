@@ -114,14 +114,19 @@ def write_state_dict(config: DLSConfig, state: ScalerState) -> dict[str, Any]:
     """`GradScaler.state_dict`'s contents: tensors and plain values only.
 
     A dynamic configuration also writes its effective ``growth_factor``, ``backoff_factor``
-    and ``growth_interval``, which `plan_load` restores; a static or disabled one only its
-    ``loss_scale``.
+    and ``growth_interval``, which `plan_load` restores, and torch.amp's ``scale`` and
+    ``_growth_tracker`` beside its own keys, so that ``torch.amp.GradScaler`` loads the same
+    dict (dlspass reads its own keys). The tracker is kept below the interval: the cerebras
+    rule grows one clean step later than torch's, whose tracker never grows once it passes the
+    interval. A static or disabled configuration writes only its ``loss_scale``.
     """
     cfg = {k: v for k, v in config.to_dict().items() if k != "extras"}
     if config.dynamic:
         out: dict[str, Any] = {f: getattr(state, f).detach().clone() for f in STATE_FIELDS}
         out["growth_factor"], out["backoff_factor"], out["growth_interval"] = (
             effective_factors(config))
+        out["scale"] = float(state.loss_scale)
+        out["_growth_tracker"] = min(int(state.steps_since_rescale), out["growth_interval"] - 1)
     else:
         out = {"loss_scale": state.loss_scale.detach().clone()}
     out["format_version"] = FORMAT_VERSION
@@ -134,7 +139,8 @@ def normalized_checkpoint(state_dict: object) -> tuple[bool, dict[Any, Any]]:
 
     Accepted forms: a nested ``{"grad_scaler": {...}}`` (a whole Cerebras/Model Zoo
     checkpoint), flattened ``grad_scaler.<key>`` keys, `write_state_dict`'s dict, and
-    torch.amp.GradScaler's (``scale`` and ``_growth_tracker`` among its keys).
+    torch.amp.GradScaler's (``scale`` and ``_growth_tracker`` among its keys, no
+    ``loss_scale``).
     """
     if not isinstance(state_dict, Mapping):
         raise ScalerStateError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
@@ -144,7 +150,9 @@ def normalized_checkpoint(state_dict: object) -> tuple[bool, dict[Any, Any]]:
     prefix = "grad_scaler."
     flat = {k[len(prefix):] if isinstance(k, str) and k.startswith(prefix) else k: v
             for k, v in sd.items()}
-    return "scale" in flat and "_growth_tracker" in flat, flat
+    # dlspass's own dicts carry torch's keys too (for torch.amp); theirs are read then
+    torch_amp = "scale" in flat and "_growth_tracker" in flat and "loss_scale" not in flat
+    return torch_amp, flat
 
 
 def plan_load(config: DLSConfig, device: torch.device, state_dict: object

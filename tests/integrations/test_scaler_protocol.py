@@ -8,6 +8,9 @@ the frameworks make (quoted from their source where it matters).
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 from framework_runs import OVERFLOW_STEP, batches, make_model
@@ -95,3 +98,52 @@ def test_accelerate_fsdp2_load_state_sequence_like_torch(make):
     assert [s for s, _ in runs["dlspass"]] == [s for s, _ in runs["torch"]]
     for (_, a), (_, b) in zip(runs["dlspass"], runs["torch"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_grad_scaler_state_dict_loads_into_torch_amp():
+    """A dlspass.GradScaler checkpoint resumes torch.amp.GradScaler exactly where an
+    uninterrupted torch run is (and still resumes dlspass's own scalers)."""
+    model, opt = make_model()
+    ref_model, ref_opt = make_model()
+    ref = _train(ref_model, ref_opt, _torch_amp(), range(0, 8))
+    dls = _dls_torch_policy()
+    first = _train(model, opt, dls, range(0, 5))
+    buf = io.BytesIO()
+    torch.save(dls.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    into_torch, into_dls = _torch_amp(), _dls_torch_policy()
+    into_torch.load_state_dict(state)  # KeyError: 'scale' before torch's keys were written
+    into_dls.load_state_dict(state)
+    assert into_torch.get_scale() == float(into_dls.get_scale()) == first[-1][0]
+    assert into_torch._get_growth_tracker() == int(into_dls.state.steps_since_rescale)
+    assert int(into_dls.get_num_skipped_steps()) == int(dls.get_num_skipped_steps()) == 1
+    snapshot = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    rest_torch = _train(model, opt, into_torch, range(5, 8))
+    model.load_state_dict(snapshot[0])
+    opt.load_state_dict(snapshot[1])
+    rest_dls = _train(model, opt, into_dls, range(5, 8))
+    for (s, p), (s_t, p_t), (s_d, p_d) in zip(ref[5:], rest_torch, rest_dls, strict=True):
+        assert s == s_t == s_d
+        assert torch.equal(p, p_t) and torch.equal(p, p_d)
+
+
+def test_cerebras_state_dict_loads_into_torch_amp_and_still_grows():
+    """The cerebras rule grows after steps_per_increase + 1 clean steps, so its counter can
+    equal the interval, where torch's rule (grow when the tracker reaches the interval) would
+    never grow again; the tracker written for torch stays below the interval."""
+    sc = GradScaler(init_scale=INIT, steps_per_increase=INTERVAL)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.0)
+    for _ in range(INTERVAL):
+        sc.scale(p.sum()).backward()
+        sc.step(opt)
+        sc.update()
+    assert int(sc.state.steps_since_rescale) == INTERVAL and float(sc.get_scale()) == INIT
+    into = _torch_amp()
+    into.load_state_dict(sc.state_dict())
+    assert into.get_scale() == INIT and into._get_growth_tracker() == INTERVAL - 1
+    into.scale(p.sum()).backward()
+    into.step(opt)
+    into.update()
+    assert into.get_scale() == 2 * INIT
