@@ -157,6 +157,37 @@ def test_make_backend_with_scaler_step_and_update_matches_eager_scaler():
     assert scaler.get_num_skipped_steps().item() == 2
 
 
+def test_make_backend_with_torch_grad_scaler_steps_like_torch_amp():
+    """With the backend scaling the seed, nothing calls ``scaler.scale(loss)``, which is where
+    torch.amp sets its scale up: the first ``step`` must not fail (``_scale is None``), and the
+    run must follow torch.amp.GradScaler's on the eager model (skips, scales, weights)."""
+    torch._dynamo.reset()
+    model, x = _linear()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scaler = dlspass.TorchGradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    backend = dlspass.make_backend(scaler=scaler, mixed_precision=False, backend_compiler="eager")
+    cmodel = torch.compile(model, backend=backend)
+    for i in range(5):
+        xi = x.clone()
+        if i == 1:
+            xi[0, 0] = float("inf")
+        cmodel(xi).pow(2).mean().backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref_scaler.scale(reference(xi).pow(2).mean()).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        assert scaler.get_scale() == ref_scaler.get_scale(), i
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert scaler.get_num_skipped_steps().item() == 1
+
+
 class _GraphBreak(torch.nn.Module):
     """The issue's reproduction: two graphs, the overflow in the second one's backward."""
 

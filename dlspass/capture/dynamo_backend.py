@@ -190,6 +190,11 @@ class DLSBackend:
         """The backward graph takes the scale as one more input and returns the finite flag as
         one more output (``ScaleBackwardPass``); the wrapper feeds the one and keeps the other."""
         scaler = self.scaler
+        # No scaler.scale(loss) is called (the seed is scaled here), and that is where torch.amp
+        # sets its scale up: set it up on the gradients' device before the graph reads it.
+        device = next((t.device for t in example_inputs if isinstance(t, Tensor)), None)
+        if device is not None:
+            scaler._lazy_init_scale_growth_tracker(device)
         ScaleBackwardPass(self.config)(gm)
         example_inputs, _ = self._lower(gm, example_inputs)
 
