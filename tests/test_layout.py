@@ -45,6 +45,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("onnx", ("dlspass.onnx",)),
     ("debug", ("dlspass.debug",)),
     ("cli", ("dlspass.cli",)),
+    # the frameworks' glue (accelerate, the transformers Trainer): nothing of dlspass imports it
+    ("integrations", ("dlspass.integrations",)),
     ("facade", ("dlspass", "dlspass.__main__")),
 ]
 

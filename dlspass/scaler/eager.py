@@ -61,11 +61,8 @@ UNSCALED, STEPPED = "unscaled", "stepped"
 def _walk_tensors(obj: Any) -> Iterable[Tensor]:
     if isinstance(obj, Tensor):
         yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _walk_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
             yield from _walk_tensors(v)
 
 
@@ -111,7 +108,10 @@ class GradScaler:
             (`log_scale`); the config's ``log_loss_scale`` logs it to Python logging alone.
 
     ``found_inf`` is a property: the last finished iteration's overflow flag (0-d bool tensor).
+    ``steps_on_overflow``: ``step`` runs ``optimizer.step`` on an overflow too and undoes it
+    (no host sync); a subclass that sets it False reads the flag and does not call it.
     """
+    steps_on_overflow: bool = True
 
     def __init__(
         self,
@@ -355,6 +355,8 @@ class GradScaler:
         if not self._active_config.dynamic:
             optimizer.step(*args, **kwargs)
             return ok
+        if not self.steps_on_overflow and not bool(ok):  # the subclass's host read
+            return ok
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             fused_step(optimizer, ok, args, kwargs)
         else:
@@ -426,9 +428,7 @@ class GradScaler:
         Also the lazy point of the scale-floor warning/error (one host read while unreported).
         """
         self._check_floor()
-        if not self._active_config.enabled:
-            return torch.ones((), dtype=torch.float32, device=self.state.loss_scale.device)
-        return self.state.loss_scale
+        return self.get_scale_tensor()
 
     def get_scale_tensor(self) -> Tensor:
         """The scale as a 0-d float32 tensor, without a host sync (1.0 when disabled)."""
