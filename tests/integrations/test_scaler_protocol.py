@@ -147,3 +147,43 @@ def test_cerebras_state_dict_loads_into_torch_amp_and_still_grows():
     into.step(opt)
     into.update()
     assert into.get_scale() == 2 * INIT
+
+
+def test_skip_visible_grad_scaler_runs_optimizer_step_only_when_it_steps():
+    """What accelerate watches (whether ``optimizer.step`` ran), with everything else equal to
+    `GradScaler`'s run: parameters, Adam's state (created on the first step, which overflows
+    here) and the scaler state, in the cerebras policy."""
+    from dlspass.integrations import SkipVisibleGradScaler
+
+    runs = {}
+    for cls in (GradScaler, SkipVisibleGradScaler):
+        model, _ = make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        calls = []
+        step = opt.step
+
+        def counted(*args, _step=step, _calls=calls, **kwargs):
+            _calls.append(1)
+            return _step(*args, **kwargs)
+
+        opt.step = counted
+        scaler = cls(init_scale=INIT, steps_per_increase=INTERVAL)
+        stepped = []
+        for i in range(6):
+            x, y = batches()[i]
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if i in (0, 3):
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            stepped.append(bool(scaler.step(opt)))
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        runs[cls] = (calls, stepped, torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                     copy.deepcopy(opt.state_dict()["state"]), scaler.state)
+    (c0, s0, p0, o0, st0), (c1, s1, p1, o1, st1) = runs.values()
+    assert s0 == s1 == [False, True, True, False, True, True]
+    assert len(c0) == 6 and len(c1) == 4
+    assert torch.equal(p0, p1)
+    assert o0.keys() == o1.keys() and all(
+        torch.equal(o0[k][n], o1[k][n]) for k in o0 for n in o0[k])
+    assert all(torch.equal(a, b) for a, b in zip(st0, st1, strict=True))
