@@ -11,18 +11,15 @@ single-process SGD on the concatenated batch (with the poisoned iteration left o
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
-from gloo_launch import launch
+from gloo_launch import PYTEST_TIMEOUT_S, gloo_group, launch, save_result
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(PYTEST_TIMEOUT_S)
 
-WORKER_TIMEOUT_S = 80
 WORLD = 2
 ITERS = 6
 INF_ITER = 2  # 0-based; rank 1 only
@@ -109,24 +106,17 @@ def _reference(skip: set[int]) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+def _worker(rank: int, world: int) -> dict:
     try:
-        result = _scenario(rank, world)
+        return _scenario(rank, world)
     except Exception:
-        result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+        return {"error": traceback.format_exc()}
 
 
 # ---- test side ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    results = launch(__file__, WORLD, WORKER_TIMEOUT_S)
+    results = launch(__file__, WORLD)
     for rank, r in enumerate(results):
         if "error" in r:
             pytest.fail(f"rank {rank}:\n{r['error']}")
@@ -179,4 +169,5 @@ def test_process_group_without_distributed_is_a_clear_error() -> None:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    with gloo_group(sys.argv) as (rank, world, outdir):
+        save_result(_worker(rank, world), outdir, rank)

@@ -11,15 +11,13 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
-from gloo_launch import launch
+from gloo_launch import PYTEST_TIMEOUT_S, gloo_group, launch, save_result
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(PYTEST_TIMEOUT_S)
 
-WORKER_TIMEOUT_S = 150
 INIT_SCALE = 1024.0
 # cerebras policy, steps_per_increase=2, tolerance 0: overflows at iterations 2 and 4 of 7.
 # Hand-worked: 1024 | 512 (overflow) | 512 | 256 (overflow) | 256 | 256 | 512 (3 > 2 clean)
@@ -209,12 +207,7 @@ def _scenario_dcp(rank: int, world: int, ckpt: str, trained: dict) -> dict:
             "fqns": fqns}
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+def _worker(rank: int, world: int, outdir: str) -> dict:
     results: dict = {}
     scenarios = [("ddp_inf", _scenario_ddp_inf)]
     if world == 2:
@@ -233,13 +226,12 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
             results["dcp"] = {"error": traceback.format_exc()}
     for r in results.values():
         r.pop("scaler", None)
-    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return results
 
 
 # ---- test side ---------------------------------------------------------------------------------
 def _launch(world: int) -> list[dict]:
-    return launch(__file__, world, WORKER_TIMEOUT_S)
+    return launch(__file__, world)
 
 
 @pytest.fixture(scope="module")
@@ -376,4 +368,5 @@ def test_single_process_needs_no_group() -> None:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    with gloo_group(sys.argv) as (rank, world, outdir):
+        save_result(_worker(rank, world, outdir), outdir, rank)

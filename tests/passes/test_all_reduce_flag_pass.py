@@ -12,13 +12,14 @@ import sys
 
 import pytest
 import torch
+from gloo_launch import PYTEST_TIMEOUT_S, launch
 from stepgraph import node_values, reference_step, run, trace_step
 
 from dlspass.config import DLSConfig
 from dlspass.graph import roles
 from dlspass.models import MLP, mse_loss
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(PYTEST_TIMEOUT_S)
 
 DLS = DLSConfig(mixed_precision=False, initial_loss_scale=1024.0)
 
@@ -75,9 +76,7 @@ def _observations(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    from gloo_launch import launch
-
-    return launch(__file__, 2, 150)
+    return launch(__file__, 2)
 
 
 def test_an_overflow_on_one_rank_skips_the_step_on_all(ranks: list[dict]) -> None:

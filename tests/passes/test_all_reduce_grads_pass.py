@@ -11,12 +11,13 @@ import sys
 
 import pytest
 import torch
+from gloo_launch import PYTEST_TIMEOUT_S, launch
 from stepgraph import eager_grads, node_values, run, sgd_momentum, trace_step
 
 from dlspass.graph import roles
 from dlspass.models import MLP, mse_loss
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(PYTEST_TIMEOUT_S)
 
 
 def _step(rank: int):
@@ -52,9 +53,7 @@ def _observations(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    from gloo_launch import launch
-
-    return launch(__file__, 2, 150)
+    return launch(__file__, 2)
 
 
 def test_gradients_are_the_mean_of_the_ranks_eager_gradients(ranks: list[dict]) -> None:
