@@ -219,14 +219,36 @@ def grads(graph: fx.Graph) -> list[tuple[str, fx.Node]]:
     return found
 
 
+def backward_grads(graph: fx.Graph) -> list[tuple[str, fx.Node]]:
+    """``(parameter name, the gradient as backward produced it)`` for every GRAD node: its
+    BACKWARD_GRAD node where the step's own code changed it before the optimizer read it (a
+    user's clip inside ``dlspass.compile``), else the gradient `grads` gives."""
+    raw = {roles.target_of(n): n for n in roles.nodes_with_role(graph, roles.BACKWARD_GRAD)}
+    return [(t, effective_grad(raw[t]) if t in raw else g) for t, g in grads(graph)]
+
+
+def optimizer_grads(graph: fx.Graph) -> list[tuple[str, fx.Node]]:
+    """``(parameter name, the gradient the optimizer reads)``, unscaled once DLS unscaled it:
+    its UNSCALE node, or its GRAD node where the step's own code computed that from the
+    unscaled BACKWARD_GRAD (or where nothing was unscaled)."""
+    raw = {roles.target_of(n) for n in roles.nodes_with_role(graph, roles.BACKWARD_GRAD)}
+    unscaled = {roles.target_of(n): n for n in roles.nodes_with_role(graph, roles.UNSCALE)
+                if roles.target_of(n)}
+    return [(t, g if t in raw or t not in unscaled else unscaled[t]) for t, g in grads(graph)]
+
+
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Every node some GRAD node depends on (the forward and the backward), GRAD nodes included.
+    """Every node the gradients as backward produced them depend on (the forward and the
+    backward), those gradients included; not the step's own code after backward.
 
     A gradient may also feed the backward itself (BatchNorm's bias gradient is a sum that its
     input gradient reuses); those uses must keep reading the scaled value, as torch.amp's
-    backward does, and only the optimizer's reads move to the unscaled or clipped one.
+    backward does, and only the reads after backward move to the unscaled or clipped one.
     """
-    return roles.ancestors(roles.nodes_with_role(graph, roles.GRAD))
+    raw = roles.nodes_with_role(graph, roles.BACKWARD_GRAD)
+    tagged = {roles.target_of(n) for n in raw}
+    return roles.ancestors([*raw, *(n for n in roles.nodes_with_role(graph, roles.GRAD)
+                                    if roles.target_of(n) not in tagged)])
 
 
 def is_float(node: object, dtype: torch.dtype | None = None) -> bool:

@@ -14,6 +14,7 @@ from dlspass.passes.base import (
     backward_nodes,
     global_node,
     grads,
+    optimizer_grads,
     replace_uses,
     scaling_off_reason,
 )
@@ -50,11 +51,7 @@ class ClipGradNormPass(DLSPass):
         config = self.config
         assert config is not None
         graph = gm.graph
-        unscaled = [n for n in roles.nodes_with_role(graph, roles.UNSCALE) if roles.target_of(n)]
-        if unscaled:
-            found = [(roles.target_of(n), n) for n in unscaled]
-        else:  # no scaling: clip the gradients as backward produced them
-            found = grads(graph)
+        found = optimizer_grads(graph)  # unscaled; without scaling, as the optimizer reads them
         names = [t for t, _ in found]
         gnodes = [g for _, g in found]
         norm = global_node(graph, roles.GRAD_NORM)

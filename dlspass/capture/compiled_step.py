@@ -111,9 +111,51 @@ def tag_aot_graph(gm: fx.GraphModule) -> None:
         else:
             out_roles.append((roles.LOSS, None))
     roles.set_output_roles(graph, out_roles)
-    roles.set_role(find_seed(graph), roles.SEED)
+    seed = find_seed(graph)
+    roles.set_role(seed, roles.SEED)
+    tag_backward_grads(graph, seed)
     graph.lint()
     gm.recompile()
+
+
+def tag_backward_grads(graph: fx.Graph, seed: fx.Node) -> None:
+    """Tag BACKWARD_GRAD on what ``loss.backward()`` stored in the ``.grad`` of each parameter
+    the optimizer steps, where the step's own code changed it before ``optimizer.step`` (a
+    ``clip_grad_norm_``): the GRAD node marked at ``optimizer.step`` is then that code's result,
+    and the DLS passes must unscale the gradient before that code reads it.
+
+    dynamo traces backward's store into ``.grad`` as ``copy(empty_like(param), grad)``
+    (``torch._dynamo.polyfills.accumulate_grad``, ``.grad`` being None: ``zero_grad`` sets it
+    so); the first such node after the seed is backward's.
+    """
+    after_seed = _descendants(seed)
+    stored: dict[str | None, fx.Node] = {}  # parameter name -> backward's store
+    for node in after_seed:
+        empty = node.args[0] if node.target is torch.ops.aten.copy.default else None
+        if isinstance(empty, fx.Node) and empty.target is torch.ops.aten.empty_like.default:
+            param = empty.args[0]
+            if isinstance(param, fx.Node) and roles.role_of(param) == roles.PARAM:
+                stored.setdefault(roles.target_of(param), node)
+    for grad in roles.nodes_with_role(graph, roles.GRAD):
+        name = roles.target_of(grad)
+        if name not in stored and grad in after_seed:
+            # never silently: the step's code would read scaled gradients
+            raise StepCaptureError(f"dlspass.compile: cannot find where loss.backward() stored "
+                                   f"the gradient of {name!r} (this torch version traces it "
+                                   f"otherwise); report it with your torch version")
+    for name, node in stored.items():
+        # untagged when the optimizer reads it unchanged: then it is the GRAD node itself
+        if roles.role_of(node) is None:
+            roles.set_role(node, roles.BACKWARD_GRAD, name)
+
+
+def _descendants(node: fx.Node) -> dict[fx.Node, None]:
+    """``node`` and every node that reads it, directly or not, in graph order."""
+    seen = {node}
+    for n in node.graph.nodes:
+        if n not in seen and any(a in seen for a in n.all_input_nodes):
+            seen.add(n)
+    return {n: None for n in node.graph.nodes if n in seen}
 
 
 def _make_step_rewrite(step: CompiledStep) -> dynamo_backend.Rewrite:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.fx as fx
 from torch import Tensor
 
@@ -125,8 +126,11 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
                                               is_inference=is_inference)
 
         # ones_like/full_like stay whole through the trace: the step's backward seed is found as
-        # one (compiled_step.find_seed); DecomposeForInductorPass decomposes them afterwards
-        table = {op: fn for op, fn in select_decomp_table().items() if op not in roles.SEED_OPS}
+        # one (compiled_step.find_seed); so does empty_like, by which backward's store into a
+        # parameter's .grad is found (compiled_step.tag_backward_grads). DecomposeForInductorPass
+        # decomposes them afterwards
+        kept = (*roles.SEED_OPS, torch.ops.aten.empty_like.default)
+        table = {op: fn for op, fn in select_decomp_table().items() if op not in kept}
         kwargs = {"decompositions": table, "partition_fn": cfx.partition_fn}
     kwargs["keep_inference_input_mutations"] = mutations_in_graph and backend_compiler != "eager"
 

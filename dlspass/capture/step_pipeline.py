@@ -112,6 +112,12 @@ def run_step_pipeline(
         raise StepCaptureError(f"a graph pass added input(s) {missing} that the step's extra_inputs "
                                f"does not provide (it provides: {sorted(extra_inputs)})")
     if data_parallel is not None:
+        if roles.nodes_with_role(gm.graph, roles.BACKWARD_GRAD):
+            # the gradients would be averaged after that code, which DDP's clip reads averaged
+            raise StepCaptureError(
+                "a data-parallel step (process_group=) cannot yet change the gradients between "
+                "loss.backward() and optimizer.step() (e.g. clip_grad_norm_): pass "
+                "max_gradient_norm= or max_gradient_value= to the scaler instead")
         AllReduceGradsPass(data_parallel.group)(gm)
     gm = apply_dls(gm, config)
     post: list[GraphPass] = []

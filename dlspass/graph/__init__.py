@@ -24,7 +24,9 @@ loss-scaling invariants at the end. The rules:
    placeholder role. Output roles are positional: ``roles.output_roles`` lists ``(role,
    target)`` per output position, because one node may be returned twice or a placeholder
    passed through unchanged. There is exactly one backward seed (``roles.SEED``) and one
-   ``roles.GRAD`` node per parameter, as backward produced it.
+   ``roles.GRAD`` node per parameter, as the optimizer reads it; where the step's own code
+   changed it after backward (a clip inside ``dlspass.compile``), what backward produced is
+   its ``roles.BACKWARD_GRAD`` node, where the gradient is unscaled.
 4. **Functional until the epilogue.** The graph has no in-place op: ``copy_`` into an input
    appears only once ``WriteUpdatesInPlacePass`` (the last pass, after ``apply_dls``) has
    written the updates back; no pass reads the graph after it.

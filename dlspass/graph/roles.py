@@ -16,7 +16,9 @@ positionally on the output node (``output.meta["custom"]["dlspass_outputs"]``: o
 SCALER_STATE_UPDATE, LOSS), because one node may be returned twice or be a placeholder passed
 through unchanged; output values that are computed nodes also carry their role themselves.
 The backward seed (``ones_like(loss)``) carries SEED and the gradient of each parameter, as
-backward produced it, carries GRAD with the parameter's name as target.
+the optimizer reads it, carries GRAD with the parameter's name as target; where the step's own
+code changed that gradient after backward, the gradient as backward produced it carries
+BACKWARD_GRAD.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ SEED = "backward_seed"
 # joint graph: ``full_like(loss, 1)``), by which the SEED node is found
 SEED_OPS = (torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default)
 GRAD = "grad"
+# what ``loss.backward()`` stored in a parameter's ``.grad``, tagged only where the step's own
+# code changed it before the optimizer read it (a ``clip_grad_norm_`` inside ``dlspass.compile``):
+# the GRAD node is then that code's result. DLS unscales the gradient here, so every read after
+# backward sees unscaled values, as after torch.amp's ``scaler.unscale_(optimizer)``.
+BACKWARD_GRAD = "backward_grad"
 PARAM_UPDATE = "param_update"
 BUFFER_UPDATE = "buffer_update"
 OPT_STATE_UPDATE = "opt_state_update"
