@@ -638,3 +638,27 @@ def test_cpu_step_keeps_convolutions_in_the_parameters_layout(monkeypatch):
     with pytest.raises(BackendCompilerFailed):
         torch.compile(model)(x)
     assert seen == [False, True]
+
+
+
+def test_a_sweep_compiles_the_same_step_code_as_often_as_asked():
+    """dynamo counts recompiles per code object (recompile_limit 8): ten dlspass.compile of the
+    same step code, as a sweep or k-fold does, each compile and train as eager torch does (the
+    ninth raised FailOnRecompileLimitHit); each run is compared with eager SGD."""
+    torch._dynamo.reset()
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    for i in range(10):
+        torch.manual_seed(i)
+        model = torch.nn.Linear(8, 4)
+        reference = copy.deepcopy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01 * (i + 1))
+        step = dlspass.compile(mse_train_step(model, opt), optimizer=opt,
+                               scaler=_scaler(policy="torch"), mixed_precision=False,
+                               backend_compiler="eager")
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01 * (i + 1))
+        for _ in range(2):
+            torch.testing.assert_close(step(x, y), F.mse_loss(reference(x), y).detach())
+            F.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        _assert_same_params(model, reference)

@@ -251,7 +251,7 @@ class CompiledStep:
                                               mutations_in_graph=False,
                                               inductor_config_extra=_step_inductor_config(example_inputs))
 
-        self._compiled = torch.compile(fn, backend=backend, fullgraph=True)
+        self._compiled = torch.compile(_own_frame(fn), backend=backend, fullgraph=True)
         functools.update_wrapper(self, fn)
         self.__signature__ = inspect.signature(fn)
 
@@ -320,6 +320,24 @@ class CompiledStep:
                     setattr(opt, k, had[k])
                 else:
                     opt.__dict__.pop(k, None)
+
+
+def _own_frame(fn: Callable) -> Callable:
+    """``fn``, called from a function whose code object belongs to one `CompiledStep` alone.
+
+    dynamo keeps its compiled graphs on the code object of the frame it compiles and counts
+    recompiles per code object (``torch._dynamo.config.recompile_limit``, 8). Every
+    `CompiledStep` guards on its own optimizer and backend, so ten ``dlspass.compile`` calls of
+    one step function (a sweep, k-fold, a notebook cell run again) were ten recompiles of one
+    frame, and the ninth failed (``FailOnRecompileLimitHit`` under ``fullgraph``). With its own
+    code object each step's first compile is a first compile, and its graphs go with it.
+    """
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    step.__code__ = step.__code__.replace()  # a copy: a code object of its own
+    return step
 
 
 _LOGGING_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
