@@ -4,6 +4,9 @@ per step.
 `GradScaler` keeps a `DLSConfig` (``.config``) and a `ScalerState` (``.state``) and runs the
 policy math of `dlspass.scale_policy` (the same functions a captured graph uses).
 
+One class with torch.amp's whole method surface, so the module is about 500 lines: the checks,
+the optimizer-step skipping and the state-dict layout live beside it in this package.
+
 Per-optimizer protocol, as torch.amp: ``scale(loss).backward()`` -> ``unscale_(opt)``
 (optional; clip after it) -> ``step(opt)`` -> ``update()``.
 
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -50,6 +53,7 @@ from dlspass.scaler.optimizer_step import (
     masked_step,
     params_with_grad,
 )
+from dlspass.scaler.scaled_outputs import map_tensors, tensors_in
 from dlspass.scaler.state_dict import effective_factors, plan_load, write_state_dict
 
 # How often update() looks at the floor counter on its own (one host read per this many updates).
@@ -57,27 +61,6 @@ FLOOR_CHECK_EVERY = 1000
 
 # the stages of an optimizer's record within an iteration (None: neither yet)
 UNSCALED, STEPPED = "unscaled", "stepped"
-
-def _walk_tensors(obj: Any) -> Iterable[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (dict, list, tuple)):
-        for v in obj.values() if isinstance(obj, dict) else obj:
-            yield from _walk_tensors(v)
-
-
-def _map_tensors(obj: Any, fn: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_tensors(v, fn) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    raise InputTypeError(f"scale(): expected a tensor or a (nested) list/tuple/dict of tensors, "
-                    f"got {type(obj).__name__}")
-
 
 def refuse_backend_flag_with_group(backend_flag: Tensor | None) -> None:
     """make_backend's graphs unscaled this rank's gradients and checked only them: unscaling
@@ -242,17 +225,17 @@ class GradScaler:
 
     def scale(self, outputs: Any) -> Any:
         """``outputs`` times the current scale (a tensor or nested list/tuple/dict of them)."""
-        tensors = list(_walk_tensors(outputs))
+        tensors = list(tensors_in(outputs))
         if any(t.dtype == torch.bfloat16 for t in tensors) and self._active_config.enabled:
             self._warn_bf16("the loss is bfloat16")
             self._active_config = dataclasses.replace(self.config, fp16_type="bfloat16")
         if not self._active_config.enabled:
-            _map_tensors(outputs, lambda t: t)  # still reject non-tensors
+            map_tensors(outputs, lambda t: t)  # still reject non-tensors
             return outputs
         if tensors and self._lazy_device and tensors[0].device != self.state.loss_scale.device:
             self._move_state(tensors[0].device)
         scale = self.state.loss_scale
-        return _map_tensors(outputs, lambda t: t * scale.to(t.device))
+        return map_tensors(outputs, lambda t: t * scale.to(t.device))
 
     def _end_step(self) -> None:
         """Forget the step's per-optimizer records and make_backend's flag (at ``update`` and
