@@ -19,18 +19,33 @@ and it is, through every path below (torch 2.13, ``torch/export/pt2_archive/_pac
   ``sympy.sympify``, which evaluates Python; its ``guards_code`` is ``exec``-ed by
   ``ExportedProgram.module()``.
 
-``check_pt2_archive(path)`` reads the zip directory and the small JSON members with Python's
-``zipfile`` (never more bytes than a member declares, and never a member whose declared size
-is over the bounds below) and raises ``UnsafeArchiveError`` for any of these, so that torch
-only ever sees an archive it loads without unpickling or evaluating anything. What is checked
-is the same bytes torch reads next, except for a file replaced on disk in between, which only
-someone who can already write the user's files can do.
+and it allocates what the archive declares: a weight or constant whose record is empty
+becomes ``torch.zeros`` of its declared size (a 36 kB file asking for GBs), and dlspass itself
+builds zero inputs of the declared input shapes to export ONNX. ``sympy.sympify`` also takes
+time superlinear in the arguments of ``Max``/``Min`` (64 symbols: seconds; 600: minutes).
+
+``read_checked_pt2(path)`` reads the file once into memory and checks those bytes:
+
+* the zip layout through ``dlspass.files.zip_view`` (one reading that miniz, torch's reader,
+  and ``zipfile`` provably share; anything else is refused), after which every member is
+  read through ``torch._C.PyTorchFileReader``, the reader ``torch.export.load`` uses;
+* the payloads above, the sample inputs (loaded with ``weights_only=True`` from the bytes
+  torch will load), every call target, symbolic expression (grammar, nesting, arity and a
+  cost budget) and guard of ``models/model.json``;
+* every weight and constant: its declared elements times the dtype's size within its
+  record, an empty record only for an empty tensor; the declared user inputs within
+  ``MAX_INPUT_BYTES``;
+
+and returns the bytes, for ``torch.export.load(io.BytesIO(data))``: what was checked is
+what torch reads, whatever happens to the file meanwhile.
 """
 
 from __future__ import annotations
 
+import ast
 import io
 import json
+import math
 import operator
 import re
 import zipfile
@@ -39,15 +54,17 @@ from typing import IO, Any
 
 from dlspass.errors import InputValueError
 from dlspass.files.bounded_text import excerpt
+from dlspass.files.zip_view import MAX_INFLATION_BYTES, UnsafeZipError, ZipView, read_view
+
+__all__ = ["MAX_INFLATION_BYTES", "UnsafeArchiveError", "check_pt2_archive", "check_zip_bounds",
+           "read_checked_pt2", "save_pt2"]
 
 MAX_JSON_BYTES = 128 * 2**20
 """Largest inflated JSON member (``models/model.json``, payload configs, extra files)."""
-MAX_INFLATION_BYTES = 64 * 2**20
-"""How much larger than the archive its members may inflate in total. ``torch.export.save``
-stores every member uncompressed, so a real archive inflates by nothing; a zip bomb (a 2 MB
-file whose ``model.json`` declares 2 GiB) is refused from its directory alone."""
-MAX_MEMBERS = 100_000
-MAX_NAME_CHARS = 1024
+MAX_INPUT_BYTES = 256 * 2**20
+"""Largest total size of the program's declared user inputs (dlspass builds zero tensors of
+those shapes to export ONNX); symbolic sizes count at their recorded hint."""
+MAX_DIM = 2**62
 
 # Relative to the archive's root folder (torch.export.pt2_archive.constants, torch 2.13).
 _FORMAT, _VERSION = "archive_format", "archive_version"
@@ -92,10 +109,19 @@ _HOPS = frozenset({
 })
 MAX_EXPR_CHARS = 4096
 MAX_GUARDS = 10_000
+MAX_EXPR_DEPTH = 32
+"""Deepest nesting of calls in one symbolic expression."""
+MAX_EXPR_ARGS = 32
+"""Most positional arguments of one call in a symbolic expression."""
+MAX_MINMAX_ARGS = 8
+"""Most arguments of one ``Max``/``Min`` after sympy flattens nested ones: sympy compares them
+pairwise through its assumptions (64 symbols take seconds, 600 minutes)."""
+MAX_MINMAX_PAIRS = 1024
+"""Most ``Max``/``Min`` argument pairs over the distinct expressions of one program."""
+MAX_EXPR_TOTAL_CHARS = 2 * 2**20
+"""Most characters of symbolic expressions in one program (sympify parses ~0.1 MB/s)."""
 
 def _ast_grammar() -> tuple[type, ...]:
-    import ast
-
     return (ast.Expression, ast.Compare, ast.BinOp, ast.BoolOp, ast.UnaryOp, ast.Subscript,
             ast.Call, ast.Load, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod,
             ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.And, ast.Or, ast.Not,
@@ -127,103 +153,89 @@ def save_pt2(ep: Any, path: str | Path, extra_files: dict[str, str] | None = Non
 UnsafeArchiveError = InputValueError
 
 
-def check_pt2_archive(path: str | Path) -> None:
-    """Raise ``UnsafeArchiveError`` unless ``torch.export.load(path)`` would only parse data.
+def read_checked_pt2(path: str | Path) -> bytes:
+    """The bytes of ``path`` once they pass every check, else ``UnsafeArchiveError``.
 
-    Checks the zip layout (one root folder, no duplicate names, no encrypted members, bounded
+    Checks the zip layout (one reading shared by torch's reader and ``zipfile``; bounded
     sizes), the PT2 format and version, refuses AOTInductor payloads, legacy layouts and any
-    payload stored with pickle, loads the sample inputs with ``weights_only=True`` (what torch
-    tries first; on failure it would unpickle), and checks every call target, symbolic
-    expression and guard of ``models/model.json``.
+    payload stored with pickle, bounds every weight and constant by its record and the user
+    inputs in total, loads the sample inputs with ``weights_only=True`` (what torch tries
+    first; on failure it would unpickle), and checks every call target, symbolic expression
+    and guard of ``models/model.json``. Members are read through torch's own reader.
     """
     p = Path(path)
     try:
-        zf = zipfile.ZipFile(p)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise UnsafeArchiveError(f"{p}: not a .pt2 archive (not a zip file; truncated or "
-                                 f"corrupt? {excerpt(str(e), 60)})") from None
-    with zf:
-        members = _members(zf, p)
-        archive = _Archive(zf, p, members)
-        archive.check_layout()
-        archive.check_payload_config(_WEIGHTS_CONFIG, allow_other_prefixes=True)
-        archive.check_payload_config(_CONSTANTS_CONFIG, allow_other_prefixes=False)
-        archive.check_sample_inputs()
-        archive.check_program()
-        archive.check_dlspass_meta()
+        data = p.read_bytes()
+    except OSError as e:
+        raise UnsafeArchiveError(f"{p}: cannot be read ({e.strerror or type(e).__name__})") from None
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        raise UnsafeArchiveError(f"{p}: not a .pt2 archive (not a zip file; truncated or corrupt?)")
+    archive = _Archive(_view(data, str(p)), p)
+    archive.check_layout()
+    archive.check_payload_config(_WEIGHTS_DIR, _WEIGHTS_CONFIG, allow_other_prefixes=True)
+    archive.check_payload_config(_CONSTANTS_DIR, _CONSTANTS_CONFIG, allow_other_prefixes=False)
+    archive.check_sample_inputs()
+    archive.check_program()
+    archive.check_dlspass_meta()
+    return data
 
 
-def check_zip_bounds(source: str | Path | IO[bytes], name: str | None = None) -> None:
-    """Raise ``UnsafeArchiveError`` when a zip written by ``torch.save`` or
-    ``torch.export.save`` (one root folder) has duplicate, encrypted or oddly compressed
-    members, or members that inflate beyond ``MAX_INFLATION_BYTES`` in total (torch's reader
-    allocates each member's declared size). Reads only the zip directory; ``name`` names a
-    file-like ``source`` in messages."""
-    p = Path(name if name is not None else str(source))
+def check_pt2_archive(path: str | Path) -> None:
+    """Raise ``UnsafeArchiveError`` unless ``torch.export.load(path)`` would only parse data
+    (``read_checked_pt2`` without the bytes)."""
+    read_checked_pt2(path)
+
+
+def check_zip_bounds(source: str | Path | IO[bytes] | bytes, name: str | None = None) -> bytes:
+    """The bytes of a ``torch.save`` zip (a path, a file object or bytes) once its layout is
+    one that torch's reader and ``zipfile`` read alike (see ``dlspass.files.zip_view``) and
+    its members inflate within ``MAX_INFLATION_BYTES`` (torch allocates each declared size);
+    else ``UnsafeArchiveError``. Reads the whole source; ``name`` names it in messages."""
+    where = name if name is not None else str(source if not isinstance(source, bytes) else "<bytes>")
     try:
-        with zipfile.ZipFile(source) as zf:
-            _members(zf, p)
-    except UnsafeArchiveError:
-        raise
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise UnsafeArchiveError(f"{p}: not a readable zip ({excerpt(str(e), 60)})") from None
+        if isinstance(source, bytes):
+            data = source
+        elif isinstance(source, (str, Path)):
+            data = Path(source).read_bytes()
+        else:
+            data = source.read()
+    except OSError as e:
+        raise UnsafeArchiveError(f"{where}: cannot be read ({e.strerror or type(e).__name__})") from None
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        raise UnsafeArchiveError(f"{where}: not a readable zip (not in torch.save's zip format)")
+    _view(data, where)
+    return data
 
 
-def _members(zf: zipfile.ZipFile, p: Path) -> dict[str, zipfile.ZipInfo]:
-    """The members by name relative to the root folder, after the directory-level checks."""
-    infos = zf.infolist()
-    if not infos:
-        raise UnsafeArchiveError(f"{p}: not a .pt2 archive (an empty zip)")
-    if len(infos) > MAX_MEMBERS:
-        raise UnsafeArchiveError(f"{p}: {len(infos):,} members (more than {MAX_MEMBERS:,})")
-    root = infos[0].filename.split("/", 1)[0]
-    out: dict[str, zipfile.ZipInfo] = {}
-    inflation = 0
-    for info in infos:
-        name = info.filename
-        if len(name) > MAX_NAME_CHARS:
-            raise UnsafeArchiveError(f"{p}: a member name of {len(name):,} characters")
-        head, _, rel = name.partition("/")
-        if head != root or not rel:
-            # torch reads one root folder; anything outside it (such as the top-level
-            # `version` of the legacy layout) is read by other code paths
-            raise UnsafeArchiveError(f"{p}: member {excerpt(name, 80)} is outside the archive's "
-                                     f"root folder {excerpt(root, 40)} (not a torch.export archive)")
-        if rel in out:
-            raise UnsafeArchiveError(f"{p}: member {excerpt(rel, 80)} appears twice "
-                                     "(which copy a reader takes is not defined)")
-        if info.flag_bits & 0x1:
-            raise UnsafeArchiveError(f"{p}: member {excerpt(rel, 80)} is encrypted")
-        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-            raise UnsafeArchiveError(f"{p}: member {excerpt(rel, 80)} uses an unsupported "
-                                     f"compression method ({info.compress_type})")
-        inflation += max(0, info.file_size - info.compress_size)
-        if inflation > MAX_INFLATION_BYTES:
-            raise UnsafeArchiveError(
-                f"{p}: its members inflate to {inflation:,}+ bytes more than they occupy "
-                f"(more than {MAX_INFLATION_BYTES:,}; a zip bomb?)")
-        out[rel] = info
-    return out
+def _view(data: bytes, where: str) -> ZipView:
+    try:
+        return read_view(data, where)
+    except UnsafeZipError as e:
+        raise UnsafeArchiveError(str(e)) from None
 
 
 class _Archive:
-    def __init__(self, zf: zipfile.ZipFile, p: Path, members: dict[str, zipfile.ZipInfo]) -> None:
-        self.zf, self.p, self.members = zf, p, members
+    def __init__(self, view: ZipView, p: Path) -> None:
+        import torch
+
+        self.view, self.p, self.members = view, p, view.records
+        # the reader torch.export.load opens, on the same bytes (read_view compared the two)
+        self.reader = torch._C.PyTorchFileReader(io.BytesIO(view.data))
+        self.expr_seen: set[str] = set()
+        self.expr_chars = 0
+        self.minmax_pairs = 0
 
     def fail(self, why: str) -> UnsafeArchiveError:
         return UnsafeArchiveError(f"{self.p}: cannot load the .pt2 archive: {why}")
 
     def read(self, rel: str, limit: int) -> bytes:
-        info = self.members[rel]
-        if info.file_size > limit:
-            raise self.fail(f"member {excerpt(rel, 80)} inflates to {info.file_size:,} bytes "
+        """Member ``rel`` as torch's reader returns it, refused first when over ``limit``."""
+        size = self.members[rel].size
+        if size > limit:
+            raise self.fail(f"member {excerpt(rel, 80)} inflates to {size:,} bytes "
                             f"(more than {limit:,})")
-        try:
-            with self.zf.open(info) as f:
-                data = f.read(limit + 1)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-            raise self.fail(f"member {excerpt(rel, 80)} is damaged ({excerpt(str(e), 80)})") from None
-        if len(data) > limit:  # zipfile stops at the declared size; belt and braces
+        data = self.reader.get_record(rel)
+        if len(data) != size:  # read_view compared torch's sizes already; belt and braces
             raise self.fail(f"member {excerpt(rel, 80)} is larger than it declares")
         return data
 
@@ -257,12 +269,14 @@ class _Archive:
             if rel not in m:
                 raise self.fail(f"{rel} is missing")
 
-    def check_payload_config(self, rel: str, *, allow_other_prefixes: bool) -> None:
-        """No entry of a weights/constants payload config may be loaded with pickle."""
+    def check_payload_config(self, folder: str, rel: str, *, allow_other_prefixes: bool) -> None:
+        """No entry of a weights/constants payload config may be loaded with pickle, and every
+        tensor must fit the record it is read from."""
         cfg = self.read_json(rel)
         entries = cfg.get("config") if isinstance(cfg, dict) else None
         if not isinstance(entries, dict):
             raise self.fail(f"{rel} has no 'config' object")
+        dtypes: dict[str, int] = {}
         for fqn, entry in entries.items():
             if not isinstance(entry, dict) or not isinstance(entry.get("path_name"), str):
                 raise self.fail(f"{rel}: entry {excerpt(fqn, 60)} is malformed")
@@ -274,20 +288,66 @@ class _Archive:
                 # custom_obj_* (TorchBind pickle) and opaque_obj_* (pickle.loads)
                 raise self.fail(f"{rel}: constant {excerpt(fqn, 60)} is an object payload "
                                 f"({excerpt(path_name, 40)}), which loading would unpickle")
+            self.check_payload_tensor(folder + path_name, f"{rel}: entry {excerpt(fqn, 60)}",
+                                      entry.get("tensor_meta"), dtypes)
+
+    def check_payload_tensor(self, record: str, where: str, meta: Any, dtypes: dict[str, int]) -> None:
+        """torch builds the tensor as ``as_strided`` over the record's bytes, or, when the
+        record is empty, as ``torch.zeros`` of the declared size: the declared elements must
+        lie within the record, and an empty record must hold an empty tensor."""
+        if not isinstance(meta, dict):
+            raise self.fail(f"{where} has no tensor metadata")
+        if record not in self.members:
+            raise self.fail(f"{where} reads {excerpt(record, 80)}, which is missing")
+        dtype = meta.get("dtype")
+        itemsize = _ITEMSIZE.get(dtype) if isinstance(dtype, int) and not isinstance(dtype, bool) else None
+        if itemsize is None:
+            raise self.fail(f"{where} has an unknown dtype {excerpt(dtype, 20)}")
+        if dtypes.setdefault(record, dtype) != dtype:
+            raise self.fail(f"{where} reads {excerpt(record, 80)} as another dtype than an "
+                            "earlier entry (torch keeps the first)")
+        sizes, strides = self.ints(meta.get("sizes"), where), self.ints(meta.get("strides"), where)
+        (offset,) = self.ints([meta.get("storage_offset")], where)
+        if len(sizes) != len(strides):
+            raise self.fail(f"{where} has {len(sizes)} sizes but {len(strides)} strides")
+        numel = math.prod(sizes)
+        extent = 0 if numel == 0 else offset + 1 + sum((n - 1) * st for n, st in zip(sizes, strides, strict=True))
+        nbytes = self.members[record].size
+        if numel and not nbytes:
+            raise self.fail(f"{where} declares {numel:,} elements but its record "
+                            f"{excerpt(record, 80)} is empty (torch would allocate them)")
+        if numel * itemsize > nbytes or extent * itemsize > nbytes:
+            raise self.fail(f"{where} declares {numel:,} elements of {itemsize} bytes, more "
+                            f"than its {nbytes:,}-byte record {excerpt(record, 80)} holds")
+
+    def ints(self, values: Any, where: str) -> list[int]:
+        """Sizes, strides or an offset serialized as ``{"as_int": n}`` (what torch accepts
+        for weights), each in ``[0, MAX_DIM]``."""
+        if not isinstance(values, list):
+            raise self.fail(f"{where} has malformed tensor metadata")
+        out = []
+        for v in values:
+            n = v.get("as_int") if isinstance(v, dict) and len(v) == 1 else None
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_DIM:
+                raise self.fail(f"{where} has a size, stride or offset that is not an "
+                                f"integer in [0, 2**62]: {excerpt(json.dumps(v)[:100], 60)}")
+            out.append(n)
+        return out
 
     def check_sample_inputs(self) -> None:
         """torch loads these with ``weights_only=True`` and, when that fails, with pickle."""
-        info = self.members[_SAMPLE_INPUTS]
-        if info.file_size == 0:
+        size = self.members[_SAMPLE_INPUTS].size
+        if size == 0:
             return  # torch reads an empty member as no inputs
         import torch
 
-        raw = self.read(_SAMPLE_INPUTS, info.file_size)
+        raw = self.read(_SAMPLE_INPUTS, size)
         # torch.load allocates what the nested zip declares (and the legacy non-zip format
-        # what its stream declares) before reading: bound it first
+        # what its stream declares) before reading: bound it first, with the same reading
+        # of the nested zip as torch's
         if not zipfile.is_zipfile(io.BytesIO(raw)):
             raise self.fail(f"{_SAMPLE_INPUTS} is not in torch.save's zip format")
-        check_zip_bounds(io.BytesIO(raw), f"{self.p}: {_SAMPLE_INPUTS}")
+        check_zip_bounds(raw, f"{self.p}: {_SAMPLE_INPUTS}")
         try:
             loaded = torch.load(io.BytesIO(raw), weights_only=True)
         except Exception as e:
@@ -297,7 +357,8 @@ class _Archive:
             raise self.fail(f"{_SAMPLE_INPUTS} holds a {type(loaded).__name__}, not inputs")
 
     def check_program(self) -> None:
-        """Every call target resolves to an operator, every expression is arithmetic, no guards."""
+        """Every call target resolves to an operator, every expression is arithmetic of
+        bounded cost, no guards, user inputs of bounded size."""
         prog = self.read_json(_MODEL_JSON)
         if not isinstance(prog, dict):
             raise self.fail(f"{_MODEL_JSON} is not an object")
@@ -321,6 +382,35 @@ class _Archive:
             if "expr_str" in item:
                 self.check_expr(item["expr_str"])
             stack.extend(v for v in item.values() if isinstance(v, (dict, list)))
+        self.check_user_inputs(prog)
+
+    def check_user_inputs(self, prog: dict[str, Any]) -> None:
+        """The declared user inputs, in total, within ``MAX_INPUT_BYTES``."""
+        gm = prog.get("graph_module")
+        graph = gm.get("graph") if isinstance(gm, dict) else None
+        sig = gm.get("signature") if isinstance(gm, dict) else None
+        specs = sig.get("input_specs") if isinstance(sig, dict) else None
+        values = graph.get("tensor_values") if isinstance(graph, dict) else None
+        if not isinstance(specs, list) or not isinstance(values, dict):
+            return  # torch refuses the program itself
+        total = 0
+        for spec in specs:
+            user = spec.get("user_input") if isinstance(spec, dict) else None
+            arg = user.get("arg") if isinstance(user, dict) else None
+            tensor = arg.get("as_tensor") if isinstance(arg, dict) else None
+            name = tensor.get("name") if isinstance(tensor, dict) else None
+            meta = values.get(name) if isinstance(name, str) else None
+            if not isinstance(meta, dict):
+                continue
+            numel = 1
+            for dim in meta.get("sizes") or []:
+                numel *= _size_hint(dim)
+                if numel > MAX_INPUT_BYTES:
+                    break
+            total += numel * _ITEMSIZE.get(meta.get("dtype"), 8)
+            if total > MAX_INPUT_BYTES:
+                raise self.fail(f"its user inputs declare more than {MAX_INPUT_BYTES:,} bytes "
+                                f"(input {excerpt(name, 60)})")
 
     def check_dlspass_meta(self) -> None:
         """The shape of ``extra/dlspass.json`` (also checked after loading, with the output
@@ -347,10 +437,84 @@ class _Archive:
                             "comparison (ExportedProgram.module() would execute it as Python)")
 
     def check_expr(self, expr: Any) -> None:
-        """A symbolic size (``srepr`` form): ``sympy.sympify`` evaluates it as Python."""
+        """A symbolic size (``srepr`` form): ``sympy.sympify`` evaluates it as Python, in time
+        that grows with nesting and, for ``Max``/``Min``, with the square of the arguments."""
         if not _python_subset(expr, _EXPR_NAMES, frozenset(), keywords=True):
             raise self.fail(f"symbolic expression {excerpt(expr, 80)} is not a sympy size "
                             "expression (sympify would evaluate it as Python)")
+        self.expr_chars += len(expr)
+        if self.expr_chars > MAX_EXPR_TOTAL_CHARS:
+            raise self.fail(f"its symbolic expressions total more than {MAX_EXPR_TOTAL_CHARS:,} "
+                            "characters (sympify would take minutes)")
+        if expr in self.expr_seen:
+            return  # sympy caches what it built for the same text
+        self.expr_seen.add(expr)
+        why, pairs = _expr_cost(expr)
+        if why is not None:
+            raise self.fail(f"symbolic expression {excerpt(expr, 80)} {why} (sympify would "
+                            "take unbounded time)")
+        self.minmax_pairs += pairs
+        if self.minmax_pairs > MAX_MINMAX_PAIRS:
+            raise self.fail(f"its symbolic expressions compare more than {MAX_MINMAX_PAIRS:,} "
+                            "Max/Min argument pairs (sympify would take minutes)")
+
+
+def _expr_cost(expr: str) -> tuple[str | None, int]:
+    """Why the (grammatical) expression costs too much to sympify, or None; and the number
+    of ``Max``/``Min`` argument pairs sympy will compare."""
+    tree = ast.parse(expr, mode="eval")
+    pairs = 0
+    stack: list[tuple[ast.AST, int]] = [(tree.body, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, ast.Call):
+            depth += 1
+            if depth > MAX_EXPR_DEPTH:
+                return f"nests calls more than {MAX_EXPR_DEPTH} deep", pairs
+            if len(node.args) > MAX_EXPR_ARGS:
+                return f"passes {len(node.args)} arguments to one call (more than {MAX_EXPR_ARGS})", pairs
+            name = node.func.id if isinstance(node.func, ast.Name) else None
+            if name in ("Max", "Min"):
+                n = _flat_args(node, name)
+                if n > MAX_MINMAX_ARGS:
+                    return f"takes the {name} of {n} values (more than {MAX_MINMAX_ARGS})", pairs
+                pairs += n * (n - 1) // 2
+        stack.extend((child, depth) for child in ast.iter_child_nodes(node))
+    return None, pairs
+
+
+def _flat_args(call: ast.Call, name: str) -> int:
+    """The arguments of a ``Max``/``Min`` once sympy flattens the nested ones of the same name."""
+    n, stack = 0, list(call.args)
+    while stack:
+        arg = stack.pop()
+        if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Name) and arg.func.id == name:
+            stack.extend(arg.args)
+        else:
+            n += 1
+    return n
+
+
+def _size_hint(dim: Any) -> int:
+    """A serialized size as a number: the integer, or a symbolic size's recorded hint."""
+    if isinstance(dim, dict):
+        if "as_int" in dim:
+            dim = dim["as_int"]
+        else:
+            expr = dim.get("as_expr")
+            hint = expr.get("hint") if isinstance(expr, dict) else None
+            dim = hint.get("as_int") if isinstance(hint, dict) else 1
+    return dim if isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 else 1
+
+
+def _itemsizes() -> dict[int, int]:
+    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
+
+    return {int(k): v.itemsize for k, v in _SERIALIZE_TO_TORCH_DTYPE.items()}
+
+
+_ITEMSIZE = _itemsizes()
+"""Bytes per element of each dtype, by the number torch's serializer writes for it."""
 
 
 def _python_subset(text: Any, names: frozenset[str], attrs: frozenset[str], *, keywords: bool) -> bool:
@@ -358,8 +522,6 @@ def _python_subset(text: Any, names: frozenset[str], attrs: frozenset[str], *, k
     ``names`` (or methods in ``attrs``), numbers below 2**64, identifier-like strings and, with
     ``keywords``, ``name=value`` arguments of booleans or integers up to 4096. No attribute escapes, no powers (an
     exponential computation), no string that could close the literal torch pastes it into."""
-    import ast
-
     if not isinstance(text, str) or len(text) > MAX_EXPR_CHARS:
         return False
     try:
