@@ -9,6 +9,7 @@ dlspass's custom op, which a step written with ``rounding="op"`` calls; that reg
 
 from __future__ import annotations
 
+import io
 import json
 import zipfile
 from pathlib import Path
@@ -20,7 +21,7 @@ from dlspass.errors import InputValueError
 from dlspass.files.atomic_write import write_atomic
 from dlspass.files.file_meta import META_FILE, check_pt2_meta
 from dlspass.files.paths import check_input_file
-from dlspass.files.pt2_archive import check_pt2_archive, save_pt2
+from dlspass.files.pt2_archive import read_checked_pt2, save_pt2
 from dlspass.files.quiet import quiet_torch
 from dlspass.graph import roles
 
@@ -30,13 +31,15 @@ def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[s
     p = check_input_file(path, (".pt2",))
     if not zipfile.is_zipfile(p):
         raise InputValueError(f"{p}: not a .pt2 archive (not a zip file; truncated or corrupt?)")
-    check_pt2_archive(p)  # refuses what torch would unpickle, evaluate or inflate without bound
+    # refuses what torch would unpickle, evaluate or inflate without bound; torch then reads
+    # these very bytes, not the file again
+    data = read_checked_pt2(p)
     import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format for deserialisation
 
     extra = {META_FILE: ""}
     try:
         with quiet_torch():
-            ep = torch.export.load(str(p), extra_files=extra)
+            ep = torch.export.load(io.BytesIO(data), extra_files=extra)
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if "warnings above" in first:  # torch's pointer to the log lines silenced here
