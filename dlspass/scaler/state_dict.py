@@ -51,7 +51,13 @@ def _plain_number(key: str, value: object, error: type[Exception]) -> float | in
         if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
             raise error(f"{key}: expected a number or a one-element real tensor, got a "
                         f"{value.dtype} tensor of shape {tuple(value.shape)}")
-        value = value.detach().reshape(()).item()
+        if value.device.type == "meta":
+            raise error(f"{key}: a tensor on the meta device holds no value")
+        try:
+            value = value.detach().reshape(()).item()
+        except Exception as e:  # a device or tensor subclass that cannot be read back
+            raise error(f"{key}: the tensor on {value.device} cannot be read "
+                        f"({type(e).__name__})") from None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise error(f"{key}: expected a number, got {type(value).__name__}")
     return value
