@@ -7,7 +7,8 @@ cstorch/Model Zoo one (``grad_scaler.<key>`` or a nested ``{"grad_scaler": {...}
 torch.amp.GradScaler one, checks every entry and returns the config and state to install:
 a bad entry raises `ScalerStateError` naming its key before anything changes. Scales must
 survive the cast to float32, the dtype every scale is kept in, as finite numbers > 0
-(`checked_scale`); counters are integers in ``[0, 2**63 - 1]`` (`checked_count`).
+(`checked_scale`); counters are integers in ``[0, MAX_COUNTER]`` (`checked_count`), which
+`write_state_dict` saturates at, so a scaler always accepts its own state.
 
 Files are written and read elsewhere: ``dlspass.checkpoint`` (whole-run checkpoints and DCP
 scaler folders), which uses these checks.
@@ -39,6 +40,12 @@ TORCH_AMP_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
 # dtype every scale is kept in, as a finite number > 0 (1e39 would become inf, 1e-50 zero).
 FLOAT32_TINY = 2.0**-149
 _INT64_MAX = 2**63 - 1
+MAX_COUNTER = 2**62
+"""Largest counter a scaler state may hold. Counters grow by at most one per step, so an
+accepted state runs 2**62 steps before int64 could wrap; ``write_state_dict`` saturates here,
+so a scaler always accepts its own state."""
+TORCH_TRACKER_MAX = 2**31 - 1
+"""torch.amp keeps its growth tracker in int32 (``torch._amp_update_scale_``)."""
 
 
 def _as_float32(value: float) -> float:
@@ -80,8 +87,8 @@ def checked_scale(key: str, value: object, error: type[Exception] = ScalerStateE
     return f
 
 
-def checked_count(key: str, value: object, minimum: int = 0) -> int:
-    """A counter: an integer (an integral float is accepted) in ``[minimum, 2**63 - 1]``."""
+def checked_count(key: str, value: object, minimum: int = 0, maximum: int = _INT64_MAX) -> int:
+    """A counter: an integer (an integral float is accepted) in ``[minimum, maximum]``."""
     v = _plain_number(key, value, ScalerStateError)
     if isinstance(v, numbers.Integral):
         n = int(v)
@@ -90,10 +97,23 @@ def checked_count(key: str, value: object, minimum: int = 0) -> int:
         if not math.isfinite(f) or not f.is_integer():
             raise ScalerStateError(f"{key}: expected an integer, got {excerpt(v)}")
         n = int(f)
-    if not minimum <= n <= _INT64_MAX:
-        raise ScalerStateError(f"{key}: must be an integer in [{minimum}, 2**63 - 1], got "
-                               f"{excerpt(n)}")
+    if not minimum <= n <= maximum:
+        top = {_INT64_MAX: "2**63 - 1", MAX_COUNTER: "2**62", TORCH_TRACKER_MAX: "2**31 - 1"}
+        raise ScalerStateError(f"{key}: must be an integer in [{minimum}, "
+                               f"{top.get(maximum, maximum)}], got {excerpt(n)}")
     return n
+
+
+def _checked_interval_tracker(key: str, tracker: int, config: DLSConfig) -> None:
+    """torch's and Keras's update grow the scale when the tracker *equals* the interval: one
+    at or past it would never grow again. torch's tracker is int32 (torch.amp refuses more
+    itself; ``torch._amp_update_scale_`` would truncate and wrap)."""
+    if config.policy == "torch" and tracker > TORCH_TRACKER_MAX:
+        raise ScalerStateError(f"{key}: must be an integer in [0, 2**31 - 1] (torch keeps it "
+                               f"in int32), got {excerpt(tracker)}")
+    if config.policy in ("torch", "keras") and not tracker < config.growth_interval:
+        raise ScalerStateError(f"{key}: {tracker} is not below growth_interval "
+                               f"{config.growth_interval} (the scale would never grow again)")
 
 
 def checked_factor(key: str, value: object, *, growth: bool) -> float | int:
@@ -129,6 +149,9 @@ def write_state_dict(config: DLSConfig, state: ScalerState) -> dict[str, Any]:
     cfg = {k: v for k, v in config.to_dict().items() if k != "extras"}
     if config.dynamic:
         out: dict[str, Any] = {f: getattr(state, f).detach().clone() for f in STATE_FIELDS}
+        for f in STATE_FIELDS:  # saturate: the state stays loadable however long the run
+            if STATE_DTYPES[f] == torch.int64:
+                out[f] = out[f].clamp(max=MAX_COUNTER)
         out["growth_factor"], out["backoff_factor"], out["growth_interval"] = (
             effective_factors(config))
         out["scale"] = float(state.loss_scale)
@@ -191,9 +214,12 @@ def _checked_entries(config: DLSConfig, sd: Mapping[str, Any]
     new_config = _config_with_factors(config, sd, ck_cfg)
     vals: dict[str, float | int] = {
         f: (checked_scale(f, sd[f]) if STATE_DTYPES[f] == torch.float32
-            else checked_count(f, sd[f]))
+            else checked_count(f, sd[f], maximum=MAX_COUNTER))
         for f in STATE_FIELDS if f in sd
     }
+    if "steps_since_rescale" in vals:
+        _checked_interval_tracker("steps_since_rescale", int(vals["steps_since_rescale"]),
+                                  new_config)
     if not config.dynamic:
         return config, None  # a static/disabled scaler's scale is its configuration
     missing = [k for k in REQUIRED_DYNAMIC_KEYS if k not in sd]
@@ -218,8 +244,9 @@ def _checked_torch_amp(config: DLSConfig, sd: Mapping[str, Any]
     if missing:
         raise ScalerStateError(f"load_state_dict: missing key(s) {', '.join(missing)}")
     scale = checked_scale("scale", sd["scale"])
-    tracker = checked_count("_growth_tracker", sd["_growth_tracker"])
+    tracker = checked_count("_growth_tracker", sd["_growth_tracker"], maximum=TORCH_TRACKER_MAX)
     new_config = _config_with_factors(config, sd, {})
+    _checked_interval_tracker("_growth_tracker", tracker, new_config)
     if not config.dynamic:
         return config, None
     return new_config, {"loss_scale": scale, "steps_since_rescale": tracker}
