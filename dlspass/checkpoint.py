@@ -42,7 +42,13 @@ from dlspass.files.bounded_text import excerpt
 from dlspass.files.dcp_reader import load_untrusted
 from dlspass.scale_policy import STATE_DTYPES, STATE_FIELDS
 from dlspass.scaler import GradScaler, ScalerStateError
-from dlspass.scaler.state_dict import checked_count, checked_scale, normalized_checkpoint
+from dlspass.scaler.state_dict import (
+    MAX_COUNTER,
+    TORCH_TRACKER_MAX,
+    checked_count,
+    checked_scale,
+    normalized_checkpoint,
+)
 
 FORMAT = "dlspass-checkpoint"
 VERSION = 1
@@ -239,17 +245,21 @@ def _is_count(v: Any) -> bool:
 
 
 def _check_scaler_state(sd: Any, path: str | Path) -> None:
-    """Scales finite, > 0 and representable in float32; counters integers >= 0: the checks
-    ``load_state_dict`` makes, here without a live scaler."""
+    """Scales finite, > 0 and representable in float32; counters integers in the range
+    ``load_state_dict`` accepts (a tensor on the meta device is no number): its checks, here
+    without a live scaler."""
     if not sd:
         return
     _, flat = normalized_checkpoint(sd)
     try:
         for key in ("scale", "_growth_tracker", *STATE_FIELDS):  # torch.amp's keys, then dlspass's
             if key in flat:
-                check = (checked_scale if key == "scale" or STATE_DTYPES.get(key) == torch.float32
-                         else checked_count)
-                check(f"grad_scaler.{key}", flat[key])
+                name, value = f"grad_scaler.{key}", flat[key]
+                if key == "scale" or STATE_DTYPES.get(key) == torch.float32:
+                    checked_scale(name, value)
+                else:
+                    top = TORCH_TRACKER_MAX if key == "_growth_tracker" else MAX_COUNTER
+                    checked_count(name, value, maximum=top)
     except ScalerStateError as e:
         raise CheckpointError(f"{path}: {e}") from None
 
