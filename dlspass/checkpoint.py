@@ -25,6 +25,7 @@ the DCP state dict are treated as replicated, so DCP writes one copy however man
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
@@ -125,11 +126,11 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     from dlspass.files.pt2_archive import UnsafeArchiveError, check_zip_bounds
 
     try:
-        check_zip_bounds(path)
+        raw = check_zip_bounds(path)  # torch reads these bytes, not the file a second time
     except UnsafeArchiveError as e:
         raise CheckpointError(str(e)) from None
     try:
-        data = torch.load(path, map_location=map_location, weights_only=True)
+        data = torch.load(io.BytesIO(raw), map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for damaged files
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
