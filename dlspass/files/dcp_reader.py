@@ -11,7 +11,9 @@ crafted folder runs code on load. ``load_untrusted`` reads the same format with:
 * every storage entry checked before torch reads it: a plain file name inside the folder, a
   regular file, ``offset + length`` inside it, at most ``MAX_ITEM_BYTES``, no stream
   transforms, and a torch.save zip whose members inflate within bounds (no zip bomb);
-* non-tensor values loaded with ``torch.load(weights_only=True)`` (tensors already are).
+* non-tensor values loaded with ``torch.load(weights_only=True)`` (tensors already are);
+* the bytes checked are the bytes loaded: every entry is read once (``MAX_TOTAL_BYTES`` in
+  all), checked, and handed to DCP from memory instead of the file being read again.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import io
 import os
 import pickle
 import stat
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,9 @@ from dlspass.files.bounded_text import excerpt
 
 MAX_METADATA_BYTES = 16 * 2**20
 MAX_ITEM_BYTES = 64 * 2**20
+MAX_TOTAL_BYTES = 256 * 2**20
+"""Most bytes of storage entries one folder may make this reader hold (a scaler state is a
+few kilobytes)."""
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
@@ -59,7 +63,16 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(folder: Path) -> Any:
-    """The folder's ``.metadata`` unpickled with only DCP's metadata classes allowed."""
+    """The folder's ``.metadata`` unpickled with only DCP's metadata classes allowed, after
+    every storage entry it names was checked."""
+    return _read_checked(folder)[0]
+
+
+Blobs = dict[tuple[str, int, int], bytes]
+"""Checked storage entries by (file name, offset, length)."""
+
+
+def _read_checked(folder: Path) -> tuple[Any, Blobs]:
     path = folder / ".metadata"
     _regular(path, MAX_METADATA_BYTES)
     try:
@@ -74,9 +87,16 @@ def read_metadata(folder: Path) -> Any:
 
     if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):
         raise UnsafeCheckpointError(f"{path}: not DCP metadata")
+    blobs: Blobs = {}
+    total = 0
     for index, info in meta.storage_data.items():
-        _check_storage(folder, index, info)
-    return meta
+        blob = _check_storage(folder, index, info)
+        total += len(blob)
+        if total > MAX_TOTAL_BYTES:
+            raise UnsafeCheckpointError(f"{folder}: its storage entries hold more than "
+                                        f"{MAX_TOTAL_BYTES:,} bytes")
+        blobs[(info.relative_path, info.offset, info.length)] = blob
+    return meta, blobs
 
 
 def _regular(path: Path, limit: int) -> int:
@@ -91,7 +111,8 @@ def _regular(path: Path, limit: int) -> int:
     return st.st_size
 
 
-def _check_storage(folder: Path, index: Any, info: Any) -> None:
+def _check_storage(folder: Path, index: Any, info: Any) -> bytes:
+    """The bytes of one storage entry, once they are a bounded torch.save zip in the folder."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     name = getattr(info, "relative_path", None)
@@ -111,22 +132,27 @@ def _check_storage(folder: Path, index: Any, info: Any) -> None:
     # every item is a torch.save zip, which torch.load inflates to the sizes it declares
     with open(folder / name, "rb") as f:
         f.seek(offset)
-        blob = io.BytesIO(f.read(length))
+        blob = f.read(length)
     from dlspass.files.pt2_archive import UnsafeArchiveError, check_zip_bounds
 
     try:
-        if not zipfile.is_zipfile(blob):
-            raise UnsafeArchiveError("not in torch.save's zip format")
-        check_zip_bounds(blob, f"storage entry {excerpt(str(index), 80)}")
+        return check_zip_bounds(blob, f"storage entry {excerpt(str(index), 80)}")
     except UnsafeArchiveError as e:
         raise UnsafeCheckpointError(f"{folder}: {e}") from None
 
 
-def _reader_and_planner(folder: Path, meta: Any) -> tuple[Any, Any]:
+def _reader_and_planner(folder: Path, meta: Any, blobs: Blobs) -> tuple[Any, Any]:
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint._traverse import set_element
 
     class Reader(FileSystemReader):
+        def _slice_file(self, file: Any, sinfo: Any) -> io.BytesIO:
+            # the entry as it was checked, not the file read again
+            blob = blobs.get((sinfo.relative_path, sinfo.offset, sinfo.length))
+            if blob is None:
+                raise UnsafeCheckpointError(f"{folder}: an entry outside the checked metadata")
+            return io.BytesIO(blob)
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("rank") is not None:
                 raise UnsafeCheckpointError(f"{folder}: per-rank metadata is not supported")
@@ -159,8 +185,8 @@ def load_untrusted(state: dict[str, Any], checkpoint_id: str | os.PathLike[str],
     folder = Path(checkpoint_id)
     if not folder.is_dir():
         raise UnsafeCheckpointError(f"{folder}: no such checkpoint folder")
-    meta = read_metadata(folder)  # checked here: DCP would bury our error in its own
-    reader, planner = _reader_and_planner(folder, meta)
+    meta, blobs = _read_checked(folder)  # checked here: DCP would bury our error in its own
+    reader, planner = _reader_and_planner(folder, meta, blobs)
     try:
         dcp.load(state, storage_reader=reader, planner=planner, process_group=process_group)
     except DLSInputError:

@@ -197,7 +197,8 @@ def check_zip_bounds(source: str | Path | IO[bytes] | bytes, name: str | None = 
             data = source
         elif isinstance(source, (str, Path)):
             data = Path(source).read_bytes()
-        else:
+        else:  # a file object: read from its start
+            source.seek(0)
             data = source.read()
     except OSError as e:
         raise UnsafeArchiveError(f"{where}: cannot be read ({e.strerror or type(e).__name__})") from None
