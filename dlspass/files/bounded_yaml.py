@@ -2,8 +2,9 @@
 
 PyYAML's SafeLoader constructs no Python objects, but on its own it reads files of any size,
 follows aliases of aliases (the "billion laughs"), recurses past Python's limit on deep
-nesting and keeps the last of duplicate keys silently; `load_yaml` bounds each and turns every
-failure into one line naming the file.
+nesting, keeps the last of duplicate keys silently and builds values JSON cannot hold
+(self-referencing collections, binary blobs, sets, timestamps, non-string keys); `load_yaml`
+bounds or refuses each and turns every failure into one line naming the file.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dlspass.errors import InputValueError
-from dlspass.files.bounded_text import excerpt
+from dlspass.files.bounded_text import excerpt, one_line
 
 MAX_YAML_BYTES = 1 << 20
 """Largest params.yaml read (Model Zoo's biggest config is about 20 kB)."""
@@ -76,6 +77,11 @@ def _make_loader() -> Any:
                 node.dls_weight = weight
             return node
 
+        def compose_document(self) -> Any:
+            node = super().compose_document()
+            _check_json_tree(node)
+            return node
+
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             # Model Zoo's UniqueKeyLoader (common/utils/utils.py, 2.5+) refuses repeated keys;
             # PyYAML alone keeps the last one silently.
@@ -96,6 +102,54 @@ def _make_loader() -> Any:
         list("-+0123456789"),
     )
     return Loader
+
+
+_YAML_TAG = "tag:yaml.org,2002:"
+_JSON_TAGS = frozenset(_YAML_TAG + t for t in ("str", "int", "float", "bool", "null", "seq", "map"))
+
+
+def _check_json_tree(root: Any) -> None:
+    """Refuse what YAML can express and JSON (and so a config) cannot: a collection that
+    contains itself through an alias, binary blobs, sets, timestamps, ordered pairs, other
+    tags, and keys that are not strings. Iterative: every distinct node is visited once."""
+    import yaml
+
+    def fail(node: Any, why: str) -> yaml.YAMLError:
+        return yaml.YAMLError(f"{why} (line {node.start_mark.line + 1}); a config holds only "
+                              "strings, numbers, booleans, null, lists and string-keyed mappings")
+
+    state: dict[int, bool] = {}  # node id -> finished
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, leaving = stack.pop()
+        if leaving:
+            state[id(node)] = True
+            continue
+        if id(node) in state:
+            if not state[id(node)]:
+                raise fail(node, "an alias refers to a collection that contains it")
+            continue
+        if node.tag not in _JSON_TAGS:
+            raise fail(node, f"a value of type {_tag(node)}")
+        if isinstance(node, yaml.ScalarNode):
+            state[id(node)] = True
+            continue
+        state[id(node)] = False
+        stack.append((node, True))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if key.tag == _YAML_TAG + "merge":
+                    stack.append((value, False))
+                    continue
+                if not isinstance(key, yaml.ScalarNode) or key.tag != _YAML_TAG + "str":
+                    raise fail(key, f"a key of type {_tag(key)}")
+                stack.append((value, False))
+        else:
+            stack.extend((item, False) for item in node.value)
+
+
+def _tag(node: Any) -> str:
+    return one_line(node.tag.removeprefix(_YAML_TAG), 40)
 
 
 def _read_bounded(path: str | Path) -> str:
