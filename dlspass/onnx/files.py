@@ -22,37 +22,90 @@ from dlspass.files.quiet import quiet_torch
 from dlspass.graph import roles
 
 MAX_LOCATION_CHARS = 1024
+MAX_NODES = 50_000
+"""Most nodes (graph, subgraphs and functions together) of an ONNX model that dlspass reads:
+``onnx_ir`` builds Python objects of about 4 kB per node, so this bound keeps ``transform``
+within the documented 1 GB; a 14 MB file can hold a few hundred thousand trivial nodes."""
+MAX_DOMAIN_VERSION = 1000
+"""Highest opset version accepted for a domain other than the default one."""
 
 
 def load_onnx(path: str | Path) -> ir.Model:
     """An ``onnx_ir.Model`` from ``path``; ``InputValueError`` when it is not a readable ONNX model.
 
-    External data stays on disk (read when the model is saved), and every reference to it has
-    been checked to stay inside the model's folder."""
+    The file is read once: its protobuf is checked (opsets, node count, external data
+    references) before ``onnx_ir`` builds the model from that same protobuf. External data
+    stays on disk (read when the model is saved), and every reference to it has been checked
+    to stay inside the model's folder."""
     p = check_input_file(path, (".onnx",))
     try:
-        with quiet_torch():
-            model = ir.load(str(p))
+        proto = onnx.load_model_from_string(p.read_bytes())  # external data stays on disk
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise InputValueError(f"{p}: cannot read the ONNX model ({type(e).__name__}: {first[:200]})") from None
+    _check_opsets(proto, p)
+    _check_node_count(proto, p)
+    _check_external_data(proto, p)
+    try:
+        with quiet_torch():
+            model = ir.serde.deserialize_model(proto)
+            ir.external_data.set_base_dir(model.graph, str(p.parent))  # as ir.load does
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InputValueError(f"{p}: cannot read the ONNX model ({type(e).__name__}: {first[:200]})") from None
+    del proto
     if not model.graph.outputs:
         raise InputValueError(f"{p}: the ONNX model has no outputs")
     _check_wellformed(model, p)
     check_onnx_meta(model.metadata_props, str(p), check_config=roles.config_from_record)
-    _check_external_data(p)
     return model
 
 
-def _check_external_data(p: Path) -> None:
+def _check_opsets(proto: onnx.ModelProto, p: Path) -> None:
+    """The default domain imported once, at a version this ONNX knows; other domains at
+    plausible versions. torch.onnx and onnx_ir fail with tracebacks (or loop over versions)
+    on an opset of 10**9, a negative one, or none at all."""
+    newest = onnx.defs.onnx_opset_version()
+    imports = [*proto.opset_import, *(op for f in proto.functions for op in f.opset_import)]
+    model_domains = [op.domain for op in proto.opset_import]
+    if len(set(model_domains)) != len(model_domains):
+        raise InputValueError(f"{p}: the ONNX model imports a domain twice")
+    if not any(op.domain in ("", "ai.onnx") for op in proto.opset_import):
+        raise InputValueError(f"{p}: the ONNX model does not import the default ONNX domain (opset)")
+    if sum(op.domain in ("", "ai.onnx") for op in proto.opset_import) > 1:
+        raise InputValueError(f"{p}: the ONNX model imports the default domain twice ('' and 'ai.onnx')")
+    for op in imports:
+        top = newest if op.domain in ("", "ai.onnx") else MAX_DOMAIN_VERSION
+        if not 1 <= op.version <= top:
+            raise InputValueError(f"{p}: the ONNX model imports opset {op.version} of domain "
+                                  f"{excerpt(op.domain or 'ai.onnx', 60)} (expected 1 to {top})")
+
+
+def _check_node_count(proto: onnx.ModelProto, p: Path) -> None:
+    count = 0
+    for g in _all_graphs(proto):
+        count += len(g.node)
+        if count > MAX_NODES:
+            raise InputValueError(f"{p}: the ONNX model has more than {MAX_NODES:,} nodes")
+
+
+def _all_graphs(proto: onnx.ModelProto) -> Iterator[Any]:
+    """The main graph, every function and every subgraph (walked with a stack)."""
+    stack: list[Any] = [proto.graph, *proto.functions]
+    while stack:
+        g = stack.pop()
+        yield g
+        for node in g.node:
+            for a in node.attribute:
+                if a.HasField("g"):
+                    stack.append(a.g)
+                stack.extend(a.graphs)
+
+
+def _check_external_data(proto: onnx.ModelProto, p: Path) -> None:
     """Every external-data reference must name a regular file inside the model's folder, and
     its offset and length must lie inside that file: ``onnx.load`` would otherwise read any
     file the path reaches, block on a FIFO, or fail with an exception of its own."""
-    try:
-        proto = onnx.load(str(p), load_external_data=False)
-    except Exception as e:
-        raise InputValueError(f"{p}: cannot read the ONNX model ({type(e).__name__}: "
-                              f"{excerpt(str(e), 120)})") from None
     base = os.path.realpath(p.parent)
     for t in _all_tensors(proto):
         if t.data_location != TensorProto.EXTERNAL:
@@ -85,10 +138,8 @@ def _check_external_data(p: Path) -> None:
 
 def _all_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
     """Every TensorProto of a model: initializers and node attributes, in every subgraph and
-    function (walked with a stack, not recursion)."""
-    stack: list[Any] = [proto.graph, *proto.functions]
-    while stack:
-        g = stack.pop()
+    function."""
+    for g in _all_graphs(proto):
         if hasattr(g, "initializer"):
             yield from g.initializer
             for sparse in g.sparse_initializer:
@@ -99,9 +150,6 @@ def _all_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
                 if a.HasField("t"):
                     yield a.t
                 yield from a.tensors
-                if a.HasField("g"):
-                    stack.append(a.g)
-                stack.extend(a.graphs)
 
 
 def _check_wellformed(model: ir.Model, p: Path) -> None:
