@@ -21,7 +21,7 @@ import typer
 
 from dlspass.config import FP16_TYPES
 from dlspass.errors import DLSInputError, InputValueError
-from dlspass.files.bounded_text import excerpt, one_line
+from dlspass.files.bounded_text import excerpt, one_line, printable
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 # Exceptions that mean "the input is wrong": one line on stderr and exit 2. Everything else,
@@ -207,7 +207,7 @@ def export(
     else:
         save_program(ep, out, {"format": "dlspass-joint", "kind": "joint", "source": factory,
                                "tied": tied})
-    print(f"wrote {out}", file=sys.stderr)
+    print(f"wrote {printable(str(out))}", file=sys.stderr)
 
 
 @_quiet_command
@@ -296,7 +296,7 @@ def transform(
         if fmt != "onnx":
             raise typer.BadParameter("an .onnx input can only be written as .onnx", param_hint="--to")
         transform_onnx(src, out, cfg)
-        print(f"wrote {out}", file=sys.stderr)
+        print(f"wrote {printable(str(out))}", file=sys.stderr)
         return
     ep, meta = load_program(src)
     # ONNX output keeps the op here: save_step_onnx writes it in its float-arithmetic form
@@ -308,7 +308,7 @@ def transform(
         save_step_onnx(step, step_meta, out)
     else:
         save_program(step, out, step_meta)
-    print(f"wrote {out}", file=sys.stderr)
+    print(f"wrote {printable(str(out))}", file=sys.stderr)
 
 
 @_quiet_command
@@ -337,7 +337,7 @@ def inspect(
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     else:
         write_atomic(out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-        print(f"wrote {out}", file=sys.stderr)
+        print(f"wrote {printable(str(out))}", file=sys.stderr)
 
 
 @_quiet_command
@@ -376,7 +376,7 @@ def verify(
         raise InputValueError(f"{file}: not a dlspass training step (run `dlspass transform` first)")
     run_verify(step_graph(ep, meta))
     n = sum(1 for node in ep.graph.nodes if node.op == "call_function")
-    print(f"OK {file}: DLS invariants hold ({n} ops, config {json.dumps(meta['config'], sort_keys=True)})")
+    print(f"OK {printable(str(file))}: DLS invariants hold ({n} ops, config {json.dumps(meta['config'], sort_keys=True)})")
 
 
 def _is_verification_error(exc: BaseException) -> bool:
