@@ -170,7 +170,7 @@ def read_checked_pt2(path: str | Path) -> bytes:
         raise UnsafeArchiveError(f"{p}: cannot be read ({e.strerror or type(e).__name__})") from None
     if not zipfile.is_zipfile(io.BytesIO(data)):
         raise UnsafeArchiveError(f"{p}: not a .pt2 archive (not a zip file; truncated or corrupt?)")
-    archive = _Archive(_view(data, str(p)), p)
+    archive = _Archive(_view(data, f"{p}: cannot load the .pt2 archive"), p)
     archive.check_layout()
     archive.check_payload_config(_WEIGHTS_DIR, _WEIGHTS_CONFIG, allow_other_prefixes=True)
     archive.check_payload_config(_CONSTANTS_DIR, _CONSTANTS_CONFIG, allow_other_prefixes=False)
