@@ -403,12 +403,13 @@ class _Archive:
             meta = values.get(name) if isinstance(name, str) else None
             if not isinstance(meta, dict):
                 continue
+            sizes, dtype = meta.get("sizes"), meta.get("dtype")
             numel = 1
-            for dim in meta.get("sizes") or []:
+            for dim in sizes if isinstance(sizes, list) else []:
                 numel *= _size_hint(dim)
                 if numel > MAX_INPUT_BYTES:
                     break
-            total += numel * _ITEMSIZE.get(meta.get("dtype"), 8)
+            total += numel * (_ITEMSIZE.get(dtype, 8) if isinstance(dtype, int) else 8)
             if total > MAX_INPUT_BYTES:
                 raise self.fail(f"its user inputs declare more than {MAX_INPUT_BYTES:,} bytes "
                                 f"(input {excerpt(name, 60)})")
