@@ -54,7 +54,7 @@ from typing import IO, Any
 
 from dlspass.errors import InputValueError
 from dlspass.files.bounded_text import excerpt
-from dlspass.files.zip_view import MAX_INFLATION_BYTES, UnsafeZipError, ZipView, read_view
+from dlspass.files.zip_view import MAX_INFLATION_BYTES, ZipView, read_view
 
 __all__ = ["MAX_INFLATION_BYTES", "UnsafeArchiveError", "check_pt2_archive", "check_zip_bounds",
            "read_checked_pt2", "save_pt2"]
@@ -170,7 +170,7 @@ def read_checked_pt2(path: str | Path) -> bytes:
         raise UnsafeArchiveError(f"{p}: cannot be read ({e.strerror or type(e).__name__})") from None
     if not zipfile.is_zipfile(io.BytesIO(data)):
         raise UnsafeArchiveError(f"{p}: not a .pt2 archive (not a zip file; truncated or corrupt?)")
-    archive = _Archive(_view(data, f"{p}: cannot load the .pt2 archive"), p)
+    archive = _Archive(read_view(data, f"{p}: cannot load the .pt2 archive"), p)
     archive.check_layout()
     archive.check_payload_config(_WEIGHTS_DIR, _WEIGHTS_CONFIG, allow_other_prefixes=True)
     archive.check_payload_config(_CONSTANTS_DIR, _CONSTANTS_CONFIG, allow_other_prefixes=False)
@@ -204,15 +204,8 @@ def check_zip_bounds(source: str | Path | IO[bytes] | bytes, name: str | None = 
         raise UnsafeArchiveError(f"{where}: cannot be read ({e.strerror or type(e).__name__})") from None
     if not zipfile.is_zipfile(io.BytesIO(data)):
         raise UnsafeArchiveError(f"{where}: not a readable zip (not in torch.save's zip format)")
-    _view(data, where)
+    read_view(data, where)
     return data
-
-
-def _view(data: bytes, where: str) -> ZipView:
-    try:
-        return read_view(data, where)
-    except UnsafeZipError as e:
-        raise UnsafeArchiveError(str(e)) from None
 
 
 class _Archive:

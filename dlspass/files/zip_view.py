@@ -39,7 +39,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from dlspass.errors import DLSInputError
+from dlspass.errors import InputValueError
 from dlspass.files.bounded_text import excerpt
 
 MAX_INFLATION_BYTES = 64 * 2**20
@@ -61,8 +61,8 @@ _FLAGS_ALLOWED = _FLAG_DESCRIPTOR | _FLAG_UTF8 | 0x0006  # 0x0006: deflate speed
 _NAME_FORBIDDEN = re.compile("[\x00-\x1f\x7f\\\\]")
 
 
-class UnsafeZipError(DLSInputError, ValueError):
-    """A zip that zip readers could read differently, or that inflates beyond the bounds."""
+# a zip that zip readers could read differently, or that inflates beyond the bounds
+UnsafeZipError = InputValueError
 
 
 @dataclass(frozen=True)
