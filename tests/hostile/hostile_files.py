@@ -4,7 +4,9 @@ ONNX protobufs).
 Every payload that would run code writes the sentinel file ``PWNED`` into the current folder,
 so a test runs the command in a fresh folder and asserts the sentinel never appears.
 ``run_cli`` runs ``dlspass`` in a subprocess under a time limit and reports its exit code,
-stderr, wall time and peak RSS (the child's own ``ru_maxrss``).
+stderr, wall time and peak RSS (the child's own ``ru_maxrss``); ``run_cli_batch`` runs several
+such calls, each forked from one child that imported dlspass once (the import is most of the
+cost of a small call).
 """
 
 from __future__ import annotations
@@ -179,27 +181,63 @@ class Result:
     peak_rss_mb: float
 
 
+# Imports dlspass once, then forks one process per call: each call starts from the state a
+# fresh `dlspass` would have (nothing else ran in it), with its own cwd and stderr, and its
+# peak RSS is that process's own (a forked process counts the resident pages it inherits, as
+# a fresh process counts its imports). Its seconds add the child's start-up to the call.
 _RUNNER = """
-import resource, sys
+import json, os, sys, time, traceback
 from dlspass.cli import run
-try:
-    rc = run(sys.argv[2:])
-finally:
-    with open(sys.argv[1], "w") as f:
-        f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
-sys.exit(rc)
+started = time.monotonic() - float(sys.argv[3])  # CLOCK_MONOTONIC: one clock for all processes
+calls, out = json.loads(sys.argv[1]), sys.argv[2]
+results = {}
+for i, (args, cwd) in enumerate(calls):
+    t = time.monotonic()
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        rc = 1
+        try:
+            fd = os.open(os.path.join(out, f"{i}.stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 2)
+            os.chdir(cwd)
+            rc = run(args)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(rc)
+    _, status, usage = os.wait4(pid, 0)
+    results[i] = [os.waitstatus_to_exitcode(status), started + time.monotonic() - t, usage.ru_maxrss]
+with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(results, f)
 """
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 60.0) -> Result:
-    """``dlspass ARGS`` in a subprocess in ``cwd`` (exit code, stderr, seconds, peak RSS)."""
-    rss_file = cwd / ".peak_rss"
+def run_cli_batch(calls: dict[str, tuple[list[Any], Path]], timeout: float = 60.0) -> dict[str, Result]:
+    """``dlspass ARGS`` for each ``name: (ARGS, cwd)``, each call in a process of its own forked
+    from one child that imported dlspass (exit code, stderr, seconds, peak RSS per call);
+    ``timeout`` is per call."""
+    import tempfile
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
     env.pop("DLSPASS_DEBUG", None)
-    t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(rss_file), *map(str, args)],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    seconds = time.monotonic() - t
-    rss_kb = float(rss_file.read_text()) if rss_file.exists() else float("nan")
-    rss_file.unlink(missing_ok=True)
-    return Result(proc.returncode, proc.stderr, seconds, rss_kb / 1024)
+    names = list(calls)
+    plan = [[list(map(str, args)), str(cwd)] for args, cwd in calls.values()]
+    with tempfile.TemporaryDirectory(prefix="dlspass-cli-") as out:
+        proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(plan), out, repr(time.monotonic())],
+                              cwd=out, env=env, capture_output=True, text=True,
+                              timeout=timeout * len(calls))
+        done = Path(out) / "results.json"
+        assert proc.returncode == 0 and done.exists(), proc.stderr[-2000:]
+        results = json.loads(done.read_text())
+        return {name: Result(results[str(i)][0], (Path(out) / f"{i}.stderr").read_text(),
+                             results[str(i)][1], results[str(i)][2] / 1024)
+                for i, name in enumerate(names)}
+
+
+def run_cli(args: list[Any], cwd: Path, timeout: float = 60.0) -> Result:
+    """``dlspass ARGS`` in a subprocess in ``cwd`` (exit code, stderr, seconds, peak RSS)."""
+    return run_cli_batch({"cli": (args, cwd)}, timeout)["cli"]

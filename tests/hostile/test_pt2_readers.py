@@ -20,7 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 import zip_tricks as zt
-from hostile_files import SENTINEL, TESTS, evil_torch_save, members, rewrite, run_cli, save_tiny
+from hostile_files import (
+    SENTINEL,
+    TESTS,
+    Result,
+    evil_torch_save,
+    members,
+    rewrite,
+    run_cli_batch,
+    save_tiny,
+)
 from test_pt2_archives import EVIL_EXPR, MODEL, VECTORS, _build, _set_every_expr
 
 from dlspass.files.pt2_archive import UnsafeArchiveError, check_pt2_archive
@@ -100,16 +109,30 @@ def _write(folder: Path, name: str, data: bytes) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def inspected(base, tmp_path_factory) -> dict[str, tuple[Path, Path, Result]]:
+    """``dlspass inspect`` in a subprocess, each in an empty folder of its own, of two of the
+    exploits and of the 1.5 GiB empty weight record: name -> (file, folder, result). The calls
+    share one child that imports dlspass once (``run_cli_batch``)."""
+    d = tmp_path_factory.mktemp("inspected")
+    files = {name: _write(d / "in", name, EXPLOITS[name](base))
+             for name in ("prepended_archive", "case_variant_program")}
+    files["empty_weight_record"] = SIZE_VECTORS["empty_weight_record"](
+        base, d / "in" / "empty_weight_record.pt2")
+    folders = {name: d / "work" / name for name in files}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+    results = run_cli_batch({name: (["inspect", files[name]], folders[name]) for name in files})
+    return {name: (files[name], folders[name], results[name]) for name in files}
+
+
 @pytest.mark.parametrize("name", ["prepended_archive", "case_variant_program"])
-def test_reader_disagreement_cannot_run_code(base, tmp_path, name):
+def test_reader_disagreement_cannot_run_code(inspected, name):
     """The real entry point in a subprocess: exit 2, one line, no sentinel, within bounds
     (two of the exploits; the next test runs all of them in process)."""
-    evil = _write(tmp_path / "in", name, EXPLOITS[name](base))
+    evil, work, res = inspected[name]
     with pytest.raises(UnsafeArchiveError):
         check_pt2_archive(evil)
-    work = tmp_path / "work"
-    work.mkdir()
-    res = run_cli(["inspect", evil], work)
     assert res.rc == 2, res.stderr
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("dlspass: error:"), res.stderr
     assert not (work / SENTINEL).exists(), f"{name}: the payload ran under inspect"
@@ -278,13 +301,11 @@ def test_declared_tensor_sizes_are_bounded_by_the_records(base, tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["empty_weight_record"])
-def test_a_tiny_archive_cannot_make_inspect_allocate_gigabytes(base, tmp_path, name):
+def test_a_tiny_archive_cannot_make_inspect_allocate_gigabytes(inspected, name):
     """torch allocates ``torch.zeros`` of the declared size for an empty record: 1.5 GiB here,
     in a subprocess whose peak RSS must stay under the documented 1 GB."""
-    evil = SIZE_VECTORS[name](base, tmp_path / f"{name}.pt2")
-    work = tmp_path / "work"
-    work.mkdir()
-    res = run_cli(["inspect", evil], work)
+    evil, _, res = inspected[name]
+    assert evil.stat().st_size < 64 * 1024
     assert res.rc == 2, res.stderr
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("dlspass: error:"), res.stderr
     assert res.seconds < 60 and res.peak_rss_mb < 1024, (res.seconds, res.peak_rss_mb)
@@ -348,3 +369,4 @@ def test_a_4kb_expression_refused_through_the_cli_within_the_bounds(base, tmp_pa
     assert rc == 2, err
     assert err.count("\n") == 1 and "sympify" in err, err
     assert time.monotonic() - t < 10
+
