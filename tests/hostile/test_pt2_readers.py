@@ -32,7 +32,14 @@ from hostile_files import (
 )
 from test_pt2_archives import EVIL_EXPR, MODEL, VECTORS, _build, _set_every_expr
 
-from dlspass.files.pt2_archive import UnsafeArchiveError, check_pt2_archive
+from dlspass.files.pt2_archive import (
+    MAX_EXPR_CHARS,
+    MAX_EXPR_TOTAL_CHARS,
+    MAX_MINMAX_ARGS,
+    MAX_MINMAX_PAIRS,
+    UnsafeArchiveError,
+    check_pt2_archive,
+)
 from dlspass.files.zip_view import read_view
 
 pytestmark = pytest.mark.timeout(300)
@@ -370,3 +377,57 @@ def test_a_4kb_expression_refused_through_the_cli_within_the_bounds(base, tmp_pa
     assert err.count("\n") == 1 and "sympify" in err, err
     assert time.monotonic() - t < 10
 
+
+# ---- symbolic expressions: the per-program budget --------------------------------------------
+
+def _with_exprs(base: dict[str, Path], dst: Path, exprs: list[str]) -> Path:
+    """The dynamic program with one more tensor per expression, of sizes ``(3, expression)``
+    (torch sympifies the sizes of every tensor of the program when it loads it)."""
+    _, files = members(base["dynamic"])
+    prog = json.loads(files[MODEL])
+    values = prog["graph_module"]["graph"]["tensor_values"]
+    for i, expr in enumerate(exprs):
+        meta = json.loads(json.dumps(values["x"]))
+        meta["sizes"] = [{"as_int": 3}, {"as_expr": {"expr_str": expr, "hint": {"as_int": 4}}}]
+        values[f"budget_{i}"] = meta
+    return rewrite(base["dynamic"], dst, {MODEL: json.dumps(prog).encode()})
+
+
+def _max_group(g: int) -> str:
+    """A ``Max`` of ``MAX_MINMAX_ARGS`` symbols of its own: the most one expression may take."""
+    return "Max(" + ", ".join(f"Symbol('g{g}_{i}')" for i in range(MAX_MINMAX_ARGS)) + ")"
+
+
+def test_max_min_pairs_are_budgeted_per_program(base, tmp_path):
+    """Each expression within its own bounds, but sympy compares ``n * (n - 1) / 2`` argument
+    pairs per ``Max``/``Min``: over the distinct expressions of one program at most
+    ``MAX_MINMAX_PAIRS``. The same text repeated counts once (sympy caches it)."""
+    pairs = MAX_MINMAX_ARGS * (MAX_MINMAX_ARGS - 1) // 2
+    fit = MAX_MINMAX_PAIRS // pairs
+    check_pt2_archive(_with_exprs(base, tmp_path / "fit.pt2", [_max_group(g) for g in range(fit)]))
+    check_pt2_archive(_with_exprs(base, tmp_path / "same.pt2", [_max_group(0)] * (fit + 1)))
+    over = _with_exprs(base, tmp_path / "over.pt2", [_max_group(g) for g in range(fit + 1)])
+    t = time.monotonic()
+    with pytest.raises(UnsafeArchiveError, match=f"more than {MAX_MINMAX_PAIRS:,} Max/Min argument pairs"):
+        check_pt2_archive(over)
+    assert time.monotonic() - t < 5
+
+
+def _long_sum(i: int) -> str:
+    """A sum of 30 symbols with long names, about 4 KB: within every per-expression bound."""
+    expr = "Add(" + ", ".join(f"Symbol('t{i:04d}_{j:02d}_{'x' * 110}')" for j in range(30)) + ")"
+    assert len(expr) <= MAX_EXPR_CHARS
+    return expr
+
+
+def test_expression_text_is_budgeted_per_program(base, tmp_path):
+    """sympify parses about 0.1 MB/s: the expressions of one program hold at most
+    ``MAX_EXPR_TOTAL_CHARS`` characters in all, however each is bounded."""
+    each = len(_long_sum(0))
+    fit = (MAX_EXPR_TOTAL_CHARS - 2 * each) // each  # room for the program's own expressions
+    check_pt2_archive(_with_exprs(base, tmp_path / "fit.pt2", [_long_sum(i) for i in range(fit)]))
+    over = _with_exprs(base, tmp_path / "over.pt2", [_long_sum(i) for i in range(fit + 3)])
+    t = time.monotonic()
+    with pytest.raises(UnsafeArchiveError, match=f"total more than {MAX_EXPR_TOTAL_CHARS:,} characters"):
+        check_pt2_archive(over)
+    assert time.monotonic() - t < 5
