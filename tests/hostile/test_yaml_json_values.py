@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import cli_factories as cf
 import pytest
 
 from dlspass.cli import run
@@ -71,11 +72,8 @@ def test_merge_keys_and_plain_aliases_still_load(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def joint(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("yjoint")
-    path = d / "joint.pt2"
-    assert run(["export", "tests.cli_factories:mlp", "-o", str(path)]) == 0
-    return path
+def joint() -> Path:
+    return cf.joint_file("mlp")  # exported once per test process, shared with other modules
 
 
 @pytest.mark.parametrize("name", ["self_referencing_sequence", "binary_blob", "timestamp", "integer_key"])
