@@ -1,6 +1,7 @@
-"""File names with control characters in success lines: ``verify``'s "OK", ``transform``'s and
-``export``'s "wrote" and ``inspect``'s report must show them escaped, as error lines already
-do. A raw name could clear the screen, move the cursor or forge a "DLS invariants hold" line."""
+"""File names with control characters in success lines: ``verify``'s "OK", ``transform``'s
+(from a ``.pt2`` or an ``.onnx``) and ``export``'s "wrote" and ``inspect``'s report must show
+them escaped, as error lines already do. A raw name could clear the screen, move the cursor or
+forge a "DLS invariants hold" line."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import contextlib
 import io
 import re
 
+import onnx
 import pytest
+from hostile_files import chain_onnx
 
 from dlspass.cli import run
 
@@ -51,12 +54,16 @@ def test_wrote_lines_escape_control_characters(files, command):
     _check(files["said"][command])
 
 
-@pytest.mark.parametrize("command", ["transform_onnx", "verify", "inspect"])
+@pytest.mark.parametrize("command", ["transform_onnx", "transform_onnx_input", "verify", "inspect"])
 def test_success_lines_escape_control_characters_in_file_names(files, capsys, command):
     d = files["dir"]
     capsys.readouterr()
     if command == "transform_onnx":
         rc = run(["transform", str(files["joint"]), "-o", str(d / f"t{NASTY}.onnx")])
+    elif command == "transform_onnx_input":  # an ONNX training graph in: its own "wrote" line
+        onnx.save(chain_onnx(3), d / "chain.onnx")
+        rc = run(["transform", str(d / "chain.onnx"), "-o", str(d / f"c{NASTY}.onnx"),
+                  "--loss-scale", "none"])  # no loss to scale in this graph: rounding only
     elif command == "verify":
         rc = run(["verify", str(files["step"])])
     else:
