@@ -69,6 +69,35 @@ def save_tiny(path: Path, *, dynamic: bool = False) -> Path:
     return path
 
 
+_PLAIN_TORCH = """
+import json, logging, os, sys, torch
+logging.disable(logging.CRITICAL)
+out = {}
+for name, path in json.loads(sys.argv[1]).items():
+    os.chdir(os.path.dirname(path))
+    try:
+        ep = torch.export.load(path)
+        if sys.argv[2] == "run":
+            ep.module()(torch.randn(3, 4))
+    except Exception:
+        pass
+    out[name] = os.path.exists("PWNED")
+print(json.dumps(out))
+"""
+
+
+def live_under_plain_torch(files: dict[str, Path], *, run_module: bool = False) -> tuple[dict[str, bool], str]:
+    """Which of ``files`` (name -> path, each alone in its folder) write the sentinel under
+    plain ``torch.export.load`` (and, with ``run_module``, ``.module()`` called on a 3x4
+    input), in a fresh process without dlspass; and that process's stderr."""
+    proc = subprocess.run([sys.executable, "-c", _PLAIN_TORCH, json.dumps({k: str(v) for k, v in files.items()}),
+                           "run" if run_module else "load"],
+                          capture_output=True, text=True, timeout=120, cwd=next(iter(files.values())).parent,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(TESTS)})
+    lines = proc.stdout.strip().splitlines()
+    return (json.loads(lines[-1]) if lines else {}), proc.stderr[-2000:]
+
+
 def members(path: Path) -> tuple[str, dict[str, bytes]]:
     """The archive's root folder and its members by name relative to it, in order."""
     with zipfile.ZipFile(path) as z:

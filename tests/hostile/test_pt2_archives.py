@@ -10,8 +10,6 @@ reads the archive.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,11 +17,11 @@ import pytest
 from hostile_files import (
     PAYLOAD,
     SENTINEL,
-    TESTS,
     deflate_bomb,
     edit_json,
     evil_pickle,
     evil_torch_save,
+    live_under_plain_torch,
     members,
     rewrite,
     run_cli,
@@ -190,24 +188,8 @@ def test_the_payloads_are_live_under_plain_torch(base, tmp_path):
     (``.module()`` and one call for the guard), so the refusals above are not vacuous."""
     live = [n for n, v in VECTORS.items() if v[3]]
     files = {n: _build(base, n, tmp_path / n) for n in live}
-    script = """
-import json, os, sys, torch
-out = {}
-for name, path in json.loads(sys.argv[1]).items():
-    os.chdir(os.path.dirname(path))
-    try:
-        ep = torch.export.load(path)
-        ep.module()(torch.randn(3, 4))
-    except Exception:
-        pass
-    out[name] = os.path.exists("PWNED")
-print(json.dumps(out))
-"""
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps({k: str(v) for k, v in files.items()})],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(TESTS)})
-    ran = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert ran == {n: True for n in live}, proc.stderr[-2000:]
+    ran, stderr = live_under_plain_torch(files, run_module=True)
+    assert ran == {n: True for n in live}, stderr
 
 
 def test_valid_archives_still_load(base, tmp_path, capsys):

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,9 +20,9 @@ import torch
 import zip_tricks as zt
 from hostile_files import (
     SENTINEL,
-    TESTS,
     Result,
     evil_torch_save,
+    live_under_plain_torch,
     members,
     rewrite,
     run_cli_batch,
@@ -168,24 +166,8 @@ def test_the_reader_exploits_are_live_under_plain_torch(base, tmp_path):
     """Control: each exploit runs its payload under ``torch.export.load`` itself (in a fresh
     process, in its own folder), so the refusals above are not vacuous."""
     files = {n: _write(tmp_path / n, n, build(base)) for n, build in EXPLOITS.items()}
-    script = """
-import json, logging, os, sys, torch
-logging.disable(logging.CRITICAL)
-out = {}
-for name, path in json.loads(sys.argv[1]).items():
-    os.chdir(os.path.dirname(path))
-    try:
-        torch.export.load(path)
-    except Exception:
-        pass
-    out[name] = os.path.exists("PWNED")
-print(json.dumps(out))
-"""
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps({k: str(v) for k, v in files.items()})],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(TESTS)})
-    ran = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert ran == {n: True for n in EXPLOITS}, proc.stderr[-2000:]
+    ran, stderr = live_under_plain_torch(files)
+    assert ran == {n: True for n in EXPLOITS}, stderr
 
 
 @pytest.mark.parametrize("name", sorted(DISAGREEMENTS))
