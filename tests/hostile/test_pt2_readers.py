@@ -30,13 +30,12 @@ from hostile_files import (
 )
 from test_pt2_archives import EVIL_EXPR, MODEL, VECTORS, _build, _set_every_expr
 
-from dlspass.files.pt2_archive import (
+from dlspass.files.pt2_archive import UnsafeArchiveError, check_pt2_archive
+from dlspass.files.pt2_program import (
     MAX_EXPR_CHARS,
     MAX_EXPR_TOTAL_CHARS,
     MAX_MINMAX_ARGS,
     MAX_MINMAX_PAIRS,
-    UnsafeArchiveError,
-    check_pt2_archive,
 )
 from dlspass.files.zip_view import read_view
 
