@@ -9,6 +9,7 @@ from pathlib import Path
 from dlspass.capture.export import _resolve_factory
 from dlspass.debug.precision_risk import RENDER_FORMATS, AnalyzeError, analyze, render
 from dlspass.files.atomic_write import write_atomic
+from dlspass.files.bounded_text import printable
 from dlspass.files.paths import check_output_path
 from dlspass.format_ranges import RANGES
 
@@ -33,4 +34,4 @@ def run_analyze(factory: str, fmt: str, output: Path | None, formats: str | None
         sys.stdout.write(text)
     else:
         write_atomic(out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-        print(f"wrote {out}", file=sys.stderr)
+        print(f"wrote {printable(str(out))}", file=sys.stderr)

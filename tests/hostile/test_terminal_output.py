@@ -1,7 +1,7 @@
-"""File names with control characters in success lines: ``verify``'s "OK", ``transform``'s
-(from a ``.pt2`` or an ``.onnx``) and ``export``'s "wrote" and ``inspect``'s report must show
-them escaped, as error lines already do. A raw name could clear the screen, move the cursor or
-forge a "DLS invariants hold" line."""
+"""File names with control characters in success lines: ``verify``'s "OK", the "wrote" of
+``transform`` (from a ``.pt2`` or an ``.onnx``), ``export`` and ``analyze``, and ``inspect``'s
+report must show them escaped, as error lines already do. A raw name could clear the screen,
+move the cursor or forge a "DLS invariants hold" line."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_wrote_lines_escape_control_characters(files, command):
     _check(files["said"][command])
 
 
-@pytest.mark.parametrize("command", ["transform_onnx", "transform_onnx_input", "verify", "inspect"])
+@pytest.mark.parametrize("command", ["transform_onnx", "transform_onnx_input", "analyze", "verify", "inspect"])
 def test_success_lines_escape_control_characters_in_file_names(files, capsys, command):
     d = files["dir"]
     capsys.readouterr()
@@ -64,6 +64,8 @@ def test_success_lines_escape_control_characters_in_file_names(files, capsys, co
         onnx.save(chain_onnx(3), d / "chain.onnx")
         rc = run(["transform", str(d / "chain.onnx"), "-o", str(d / f"c{NASTY}.onnx"),
                   "--loss-scale", "none"])  # no loss to scale in this graph: rounding only
+    elif command == "analyze":
+        rc = run(["analyze", "tests.cli_factories:mlp", "--steps", "1", "-o", str(d / f"a{NASTY}.txt")])
     elif command == "verify":
         rc = run(["verify", str(files["step"])])
     else:
