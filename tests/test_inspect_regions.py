@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import dlspass
-from dlspass.debug.inspect_report import DLS_PASSES, render, step_regions, summarize_graph
+from dlspass.debug.inspect_report import render, summarize_graph
+from dlspass.debug.step_regions import DLS_PASSES, step_regions
 from dlspass.graph import roles
 
 

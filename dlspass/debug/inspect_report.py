@@ -11,14 +11,13 @@ here (networkx only computes the layout): no Graphviz, and the HTML is one offli
 
 from __future__ import annotations
 
-import html
 import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
-
+from dlspass.debug.step_regions import reach, regions_html
+from dlspass.debug.step_svg import esc, render_svg
 from dlspass.errors import InputValueError
 from dlspass.files.bounded_text import one_line, printable
 from dlspass.graph import roles
@@ -178,19 +177,8 @@ def _scaled_region(nodes: list[dict], edges: list[list[str]]) -> dict[str, Any]:
     for a, b in edges:
         succ.setdefault(a, []).append(b)
         pred.setdefault(b, []).append(a)
-    down, up = _reach([seeds[0]], succ), _reach(unscale, pred)
+    down, up = reach([seeds[0]], succ), reach(unscale, pred)
     return {"size": len(down & up), "seed": seeds[0], "unscale": unscale}
-
-
-def _reach(starts: list[str], nxt: dict[str, list[str]]) -> set[str]:
-    seen = set(starts)
-    stack = list(starts)
-    while stack:
-        for m in nxt.get(stack.pop(), ()):
-            if m not in seen:
-                seen.add(m)
-                stack.append(m)
-    return seen
 
 
 def _summarize_pt2(path: Path) -> dict[str, Any]:
@@ -331,236 +319,9 @@ def _tied_text(tied: dict[str, str] | None) -> str:
     return ", ".join(f"{d} -> {k}" for d, k in sorted(tied.items())) or "none"
 
 
-def _esc(text: str) -> str:
-    """Text from the file for HTML/SVG: control characters (invalid in XML) written out."""
-    return html.escape(printable(text))
-
-
-_COLORS = {"inserted": "#f28e2b", "role": "#4e79a7", "io": "#59a14f", "plain": "#bab0ac"}
-
-
-def _layout(r: dict[str, Any]) -> dict[str, tuple[float, float]]:
-    """Layered layout: topological generation -> column; rows ordered by the mean row of each
-    node's inputs (one barycenter sweep), which keeps chains straight and crossings few.
-    Linear in nodes plus edges (sort aside): each node is bucketed into its column once."""
-    dag = nx.DiGraph()
-    order = {n["id"]: i for i, n in enumerate(r["graph"]["nodes"])}
-    dag.add_nodes_from(order)
-    dag.add_edges_from(tuple(e) for e in r["graph"]["edges"])
-    gens = [list(g) for g in nx.topological_generations(dag)]
-    col = {nid: x for x, gen in enumerate(gens) for nid in gen}
-    # sources (inputs, state) sit just left of their first user, not all in column 0
-    for nid in gens[0] if gens else []:
-        users = [col[u] for u in dag.successors(nid)]
-        col[nid] = max(min(users) - 1, 0) if users else 0
-    columns: list[list[str]] = [[] for _ in range(max(col.values(), default=-1) + 1)]
-    for nid in order:  # in file order within each column
-        columns[col[nid]].append(nid)
-    pos: dict[str, tuple[float, float]] = {}
-    for x, gen in enumerate(columns):
-        def key(nid: str) -> tuple[float, int]:
-            ys = [pos[p][1] for p in dag.predecessors(nid) if p in pos]
-            return (sum(ys) / len(ys) if ys else float(order[nid]), order[nid])
-
-        for y, nid in enumerate(sorted(gen, key=key)):
-            pos[nid] = (float(x), float(y))
-    return pos
-
-
-_LABELLED_UP_TO = 250  # nodes: a drawing this small names each op beside its circle
-
-
-def _short(op: str) -> str:
-    """``aten.where.self`` -> ``where``: the op's name without namespace and overload."""
-    parts = op.split(".")
-    return parts[1] if len(parts) >= 2 and parts[0] in ("aten", "dlspass", "prims") else parts[0]
-
-
-def render_svg(r: dict[str, Any]) -> str:
-    """The graph as a standalone SVG: inserted nodes orange (class ``dls-inserted``); a small
-    graph also names each op (its short name, or the node's target for inputs and outputs)."""
-    pos = _layout(r)
-    labelled = len(r["graph"]["nodes"]) <= _LABELLED_UP_TO
-    dx, dy, pad, rad = (96.0, 26.0, 20.0, 6.0) if labelled else (34.0, 22.0, 20.0, 7.0)
-    # at least wide enough for the title line
-    width = max(pad * 2 + dx * (max((p[0] for p in pos.values()), default=0) + 1), 640.0)
-    height = pad * 2 + dy * (max((p[1] for p in pos.values()), default=0) + 1) + 20
-
-    def xy(nid: str) -> tuple[float, float]:
-        x, y = pos[nid]
-        return pad + x * dx, pad + 20 + y * dy
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="dlspass-graph" width="{width:.0f}" '
-             f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" font-family="sans-serif" '
-             'font-size="10">',
-             f'<text x="{pad}" y="14">{_esc(Path(r["file"]).name)}: {r["node_count"]} ops; '
-             'orange = inserted by dlspass, blue = tagged role, green = input/output</text>',
-             '<g class="edges" stroke="#999" stroke-width="0.6" fill="none">']
-    for a, b in r["graph"]["edges"]:
-        (x1, y1), (x2, y2) = xy(a), xy(b)
-        parts.append(f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}"/>')
-    parts.append('</g><g class="nodes">')
-    for n in r["graph"]["nodes"]:
-        x, y = xy(n["id"])
-        if n["pass"]:
-            cls, color = "dls-inserted", _COLORS["inserted"]
-        elif n["op"] in ("placeholder", "output", "input"):
-            cls, color = "io", _COLORS["io"]
-        elif n["role"]:
-            cls, color = "role", _COLORS["role"]
-        else:
-            cls, color = "plain", _COLORS["plain"]
-        title = f"{n['id']}: {n['target']}"
-        if n["role"]:
-            title += f" [{n['role']}{' ' + n['target_entry'] if n['target_entry'] else ''}]"
-        if n["pass"]:
-            title += f" (inserted by {n['pass']})"
-        extra = f' data-pass="{_esc(n["pass"])}"' if n["pass"] else ""
-        parts.append(f'<circle class="{cls}" cx="{x:.1f}" cy="{y:.1f}" r="{rad}" fill="{color}"'
-                     f'{extra}><title>{_esc(title)}</title></circle>')
-        if labelled:
-            name = n["target_entry"] if n["op"] in ("placeholder", "input") and n["target_entry"] else (
-                n["id"] if n["op"] in ("placeholder", "output", "input") else _short(n["target"]))
-            parts.append(f'<text class="label" x="{x + rad + 2:.1f}" y="{y - rad + 1:.1f}" '
-                         f'font-size="9" fill="#333">{_esc(name if len(name) <= 18 else name[:17] + "~")}</text>')
-    parts.append("</g></svg>")
-    return "\n".join(parts)
-
-
-# the regions of a step graph, in the order the HTML shows them; DLS is open, the rest fold
-REGIONS = ("dls", "forward", "backward", "optimizer", "casts", "rewrites", "io", "graph")
-_REGION_TITLES = {"dls": "DLS (inserted by dlspass)", "forward": "forward", "backward": "backward",
-                  "optimizer": "optimizer", "casts": "16-bit casts (lower_precision)",
-                  "rewrites": "other dlspass rewrites", "io": "inputs and outputs",
-                  "graph": "graph (no backward seed: not a training step)"}
-# apply_dls's passes after the precision pass, in pipeline order
-DLS_PASSES = ("scale_seed", "unscale_grads", "clip_grad_norm", "guard_updates", "update_scale")
-_CAST_PASSES = ("lower_precision",)
-_SHOWN_TARGETS = 3  # a per-parameter pass is drawn for this many parameters
-
-
-def step_regions(r: dict[str, Any]) -> dict[str, list[str]]:
-    """Node ids per region of a step graph: ``dls`` (inserted by a DLS pass), ``forward`` (what
-    the backward seed is computed from), ``backward`` (from the seed to the gradients),
-    ``optimizer`` (the rest of the computation), ``casts`` (the precision pass's),
-    ``rewrites`` (other passes', e.g. the in-place updates), ``io`` (inputs and outputs). A
-    graph without a backward seed is one ``graph`` region. Empty regions are left out."""
-    nodes = r["graph"]["nodes"]
-    succ: dict[str, list[str]] = {}
-    pred: dict[str, list[str]] = {}
-    for a, b in r["graph"]["edges"]:
-        succ.setdefault(a, []).append(b)
-        pred.setdefault(b, []).append(a)
-    seeds = [n["id"] for n in nodes if n["role"] == roles.SEED]
-    grads = [n["id"] for n in nodes if n["role"] == roles.GRAD]
-    forward = _reach(seeds, pred) - set(seeds)
-    backward = _reach(seeds, succ) & _reach(grads, pred)
-    out: dict[str, list[str]] = {k: [] for k in REGIONS}
-    for n in nodes:
-        nid = n["id"]
-        if n["op"] in ("placeholder", "output", "input"):
-            region = "io"
-        elif n["pass"] in DLS_PASSES:
-            region = "dls"
-        elif n["pass"] in _CAST_PASSES:
-            region = "casts"
-        elif n["pass"]:
-            region = "rewrites"
-        elif not seeds:
-            region = "graph"
-        elif nid in forward:
-            region = "forward"
-        elif nid in backward:
-            region = "backward"
-        else:
-            region = "optimizer"
-        out[region].append(nid)
-    return {k: v for k, v in out.items() if v}
-
-
-def _sub_report(r: dict[str, Any], ids: set[str], title: str) -> dict[str, Any]:
-    """``r`` with its graph cut to ``ids`` (edges inside it only), for `render_svg`."""
-    nodes = [n for n in r["graph"]["nodes"] if n["id"] in ids]
-    edges = [e for e in r["graph"]["edges"] if e[0] in ids and e[1] in ids]
-    return {**r, "file": title, "graph": {"nodes": nodes, "edges": edges}, "node_count": len(nodes)}
-
-
-def _op_summary(nodes: list[dict[str, Any]]) -> str:
-    ops = Counter(n["target"] for n in nodes if n["op"] == "call_function")
-    top = ", ".join(f"{op} {k}" for op, k in ops.most_common(4))
-    return f" ({top}{', ...' if len(ops) > 4 else ''})" if top else ""
-
-
-def _dls_blocks(r: dict[str, Any], ids: list[str]) -> list[str]:
-    """One open block per DLS pass: its inserted ops drawn with the ops they read and feed. A
-    pass that inserts per target (a gradient, a parameter, an optimizer state: unscale, guard)
-    is drawn for the first few targets; its step-wide ops (the overflow flag, the norm) always."""
-    node = {n["id"]: n for n in r["graph"]["nodes"]}
-    target = _inherited_targets(r)
-    blocks = []
-    for name in DLS_PASSES:
-        mine = [node[i] for i in ids if node[i]["pass"] == name]
-        if not mine:
-            continue
-        targets = list(dict.fromkeys(target[n["id"]] for n in mine if target[n["id"]]))
-        keep = set(targets if len(targets) <= 2 * _SHOWN_TARGETS else targets[:_SHOWN_TARGETS])
-        drawn = {n["id"] for n in mine if target[n["id"]] in keep or target[n["id"]] is None}
-        # neighbours: what the drawn ops read and feed, except what belongs to a target not drawn
-        shown = set(drawn)
-        for a, b in r["graph"]["edges"]:
-            for near, far in ((a, b), (b, a)):
-                if far in drawn and (target[near] is None or target[near] in keep):
-                    shown.add(near)
-        label = f"{name}: {len(mine)} ops inserted{_op_summary(mine)}"
-        if len(targets) > len(keep):
-            label += (f"; drawn for {len(keep)} of its {len(targets)} targets ({', '.join(sorted(keep))}; "
-                      f"the others alike)")
-        label += f", with the {len(shown - drawn)} ops they read or feed"
-        sub = _sub_report(r, shown, f"{Path(r['file']).name} [{name}]")
-        blocks.append(f'<details class="region dls-pass" data-region="dls" data-pass="{_esc(name)}" open>'
-                      f'<summary>{_esc(label)}</summary><div class="graph">{render_svg(sub)}</div></details>')
-    return blocks
-
-
-def _inherited_targets(r: dict[str, Any]) -> dict[str, str | None]:
-    """Each node's target (a parameter, gradient or state name), or, for an untargeted op, the
-    one target its computed inputs share (a per-gradient sum reads that gradient); None for
-    step-wide nodes (``global``, reading several targets, or only inputs such as the scale).
-    Graph order is topological, so one pass carries a target down a chain."""
-    inputs: dict[str, list[str]] = {}
-    for a, b in r["graph"]["edges"]:
-        inputs.setdefault(b, []).append(a)
-    computed = {n["id"] for n in r["graph"]["nodes"] if n["op"] == "call_function"}
-    out: dict[str, str | None] = {}
-    for n in r["graph"]["nodes"]:
-        own = n["target_entry"]
-        if own is None and n["id"] in computed:
-            found = {out[i] for i in inputs.get(n["id"], ()) if i in computed and out.get(i)}
-            own = found.pop() if len(found) == 1 else None
-        out[n["id"]] = None if own == roles.GLOBAL else own
-    return out
-
-
-def _regions_html(r: dict[str, Any]) -> str:
-    """The graph by region: each DLS pass's inserted ops drawn with their neighbourhood (open),
-    every other region a folded block, labelled with its op count and commonest ops, whose
-    drawing shows when it is opened (``<details>``: no script)."""
-    node = {n["id"]: n for n in r["graph"]["nodes"]}
-    parts = []
-    for name, ids in step_regions(r).items():
-        if name == "dls":
-            parts += _dls_blocks(r, ids)
-            continue
-        label = f"{_REGION_TITLES[name]}: {len(ids)} ops{_op_summary([node[i] for i in ids])}"
-        sub = _sub_report(r, set(ids), f"{Path(r['file']).name} [{name}]")
-        parts.append(f'<details class="region" data-region="{name}"><summary>{_esc(label)}</summary>'
-                     f'<div class="graph">{render_svg(sub)}</div></details>')
-    return "\n".join(parts)
-
-
 def _table(headers: list[str], rows: list[list[Any]], cls: str) -> str:
-    head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{_esc('' if c is None else str(c))}</td>" for c in row)
+    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{esc('' if c is None else str(c))}</td>" for c in row)
                    + "</tr>" for row in rows)
     return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
@@ -583,7 +344,7 @@ def render_html(r: dict[str, Any]) -> str:
         d = r["diff"]
         rows = ([["+", k, v] for k, v in d["added_ops"].items()]
                 + [["-", k, v] for k, v in d["removed_ops"].items()])
-        diff_html = (f'<section id="diff"><h2>Diff against {_esc(d["other"])} '
+        diff_html = (f'<section id="diff"><h2>Diff against {esc(d["other"])} '
                      f'({d["node_delta"]:+d} ops)</h2>{_table(["", "op", "count"], rows, "diff")}</section>')
     else:
         diff_html = '<section id="diff"><h2>Diff</h2><p>No --diff file given.</p></section>'
@@ -594,11 +355,11 @@ def render_html(r: dict[str, Any]) -> str:
              "border:1px solid #ddd;padding:.2em .5em}details.region>summary{cursor:pointer;"
              "font-size:14px}details.region[data-region=dls]>summary{font-weight:bold}")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>dlspass inspect: {_esc(Path(r['file']).name)}</title>"
+            f"<title>dlspass inspect: {esc(Path(r['file']).name)}</title>"
             f"<style>{style}</style></head><body>"
-            f"<h1>dlspass inspect: {_esc(Path(r['file']).name)}</h1>"
+            f"<h1>dlspass inspect: {esc(Path(r['file']).name)}</h1>"
             f'<section id="summary"><h2>Summary</h2>{summary}</section>'
-            f'<section id="graph"><h2>Graph</h2>{_regions_html(r)}</section>'
+            f'<section id="graph"><h2>Graph</h2>{regions_html(r)}</section>'
             f"{diff_html}"
             f'<section id="roles"><h2>Roles</h2>{roles_html}</section>'
             "</body></html>\n")
