@@ -1,9 +1,22 @@
-"""Mixed-precision policy as data: which ATen ops run in 16 bits, and which ops are views.
+"""Mixed-precision policy as data: which ATen ops run in 16 bits, which stay float32, which are views.
 
-Like autocast's lists, but for the ATen level of a captured training step: the listed ops take
-16-bit inputs and give 16-bit outputs with fp32 accumulation, in the forward AND the backward,
-so gradients really live in 16 bits and can underflow. Everything else (reductions, softmax,
-norms, losses, the optimizer, all DLS math, the master weights) stays float32.
+The lists follow torch's autocast (``aten/src/ATen/autocast_mode.cpp`` and ``autocast_mode.h``,
+torch 2.13: the ``lower_precision_fp`` list, and the ``fp32`` and ``fp32_set_opt_dtype`` lists
+of CUDA) written at the ATen level of a captured training step, forward and backward:
+
+- ``DEFAULT_LOWER_OPS`` take 16-bit inputs and give 16-bit outputs with float32 accumulation
+  (mm, addmm, bmm, baddbmm, convolutions, attention, and their backward ops), so gradients
+  really live in 16 bits and can underflow;
+- ``FP32_OPS`` run in float32 whatever their inputs (softmax and log_softmax, layer and group
+  norm, losses, sums, means, variances, exp/log/pow and the other ops autocast widens), forward
+  and backward;
+- everything else runs in the dtype its inputs have (type promotion: an elementwise op between
+  two 16-bit ops stays 16-bit, one that also reads a float32 value is float32), as under
+  autocast. BatchNorm is in no list, as in autocast: its kernels take 16-bit inputs with float32
+  weights and statistics.
+
+The optimizer, all DLS math and the master weights stay float32: the native lowering
+(``LowerPrecisionPass``) runs every node with a step role in float32.
 """
 
 from __future__ import annotations
@@ -18,24 +31,61 @@ NATIVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _ops(*names: str) -> frozenset:
+    """The overloads ``packet.overload`` (``packet`` alone: every overload) this torch has."""
     found = []
     for name in names:
         packet, _, overload = name.partition(".")
         op = getattr(aten, packet, None)
-        if op is not None and hasattr(op, overload or "default"):
-            found.append(getattr(op, overload or "default"))
+        if op is None:
+            continue
+        if overload:
+            if hasattr(op, overload):
+                found.append(getattr(op, overload))
+        else:
+            found += [getattr(op, o) for o in op.overloads()]
     return frozenset(found)
 
 
 DEFAULT_LOWER_OPS = _ops(
-    "mm.default", "addmm.default", "bmm.default", "baddbmm.default", "matmul.default",
-    "convolution.default", "convolution_backward.default",
+    "mm.default", "addmm.default", "_addmm_activation.default", "bmm.default", "baddbmm.default",
+    "addbmm.default", "mv.default", "addmv.default", "matmul.default", "linear.default",
+    "convolution.default", "_convolution.default", "convolution_backward.default",
     "_scaled_dot_product_flash_attention.default",
     "_scaled_dot_product_flash_attention_for_cpu.default",
     "_scaled_dot_product_efficient_attention.default",
+    "_scaled_dot_product_cudnn_attention.default",
     "_scaled_dot_product_flash_attention_backward.default",
     "_scaled_dot_product_flash_attention_for_cpu_backward.default",
     "_scaled_dot_product_efficient_attention_backward.default",
+    "_scaled_dot_product_cudnn_attention_backward.default",
+)
+
+# Float arguments of lowered ops that keep their dtype: the attention kernels' softmax
+# statistics are float32 in the forward's output and must stay so in the backward's input.
+KEEP_DTYPE_ARGS = frozenset({"logsumexp"})
+
+FP32_OPS = _ops(
+    # autocast's fp32 list: transcendental and pow
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+    "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "softplus_backward",
+    # softmax (fp32_set_opt_dtype) and its backward
+    "_softmax", "_log_softmax", "_safe_softmax", "_softmax_backward_data",
+    "_log_softmax_backward_data", "logsumexp",
+    # norms and their statistics
+    "native_layer_norm", "native_layer_norm_backward", "native_group_norm",
+    "native_group_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
+    "var_mean", "var", "std", "std_mean", "linalg_vector_norm", "norm", "renorm",
+    "frobenius_norm", "nuclear_norm", "cosine_similarity", "dist", "_pdist_forward", "_cdist_forward",
+    # losses, forward and backward
+    "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
+    "mse_loss", "mse_loss_backward", "l1_loss", "smooth_l1_loss", "smooth_l1_loss_backward",
+    "huber_loss", "huber_loss_backward", "binary_cross_entropy", "binary_cross_entropy_backward",
+    "binary_cross_entropy_with_logits", "kl_div", "soft_margin_loss", "soft_margin_loss_backward",
+    "multi_margin_loss", "multi_margin_loss_backward", "multilabel_margin_loss_forward",
+    "multilabel_margin_loss_backward", "poisson_nll_loss", "cosine_embedding_loss",
+    "hinge_embedding_loss", "margin_ranking_loss", "triplet_margin_loss",
+    # reductions (fp32_set_opt_dtype) and means
+    "sum", "mean", "prod", "cumsum", "cumprod",
 )
 
 # Ops whose output holds exactly the values of their first input: a rounded value stays rounded.
@@ -53,7 +103,7 @@ VALUE_PRESERVING_OPS = _ops(
 
 
 # Value-preserving ops that keep every element of their input (no slicing): rounding their input
-# instead of their output rounds no extra elements, so a weight read through t() in the forward
+# instead of their output rounds no extra elements, so a weight read as t() in the forward
 # and through another view in the backward is rounded once.
 WHOLE_VIEW_OPS = VALUE_PRESERVING_OPS - _ops(
     "slice.Tensor", "select.int", "split.Tensor", "split_with_sizes.default",
@@ -64,11 +114,17 @@ WHOLE_VIEW_OPS = VALUE_PRESERVING_OPS - _ops(
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """The ops lowered to 16 bits (``lower_ops``) and the format they are lowered to."""
+    """The ops lowered to 16 bits (``lower_ops``), those kept in float32 (``fp32_ops``), and the
+    format."""
 
     fmt: str = "float16"
     lower_ops: frozenset = field(default=DEFAULT_LOWER_OPS)
+    fp32_ops: frozenset = field(default=FP32_OPS)
 
     def lowers(self, target: object) -> bool:
         """True when a node calling ``target`` runs in 16 bits."""
         return target in self.lower_ops
+
+    def keeps_fp32(self, target: object) -> bool:
+        """True when a node calling ``target`` runs in float32 whatever its inputs (native mode)."""
+        return target in self.fp32_ops
