@@ -96,6 +96,45 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class MHABlock(nn.Module):
+    """A pre-norm decoder block on ``nn.MultiheadAttention`` (torch's fused attention kernels)."""
+
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, n_head, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False, is_causal=True)[0]
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class MHAGPT(nn.Module):
+    """A GPT decoder as users write it with ``nn.MultiheadAttention`` (causal, no dropout)."""
+
+    def __init__(self, vocab: int = 64, d: int = 64, n_layer: int = 2, n_head: int = 4,
+                 block_size: int = 32) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(block_size, d)
+        self.blocks = nn.ModuleList(MHABlock(d, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        mask = torch.ones(t, t, dtype=torch.bool, device=idx.device).triu(1)
+        x = self.tok(idx) + self.pos(pos)
+        for blk in self.blocks:
+            x = blk(x, mask)
+        return self.head(self.ln_f(x))
+
+
 def gpt_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     """Next-token cross-entropy for ``batch = (idx, targets)``."""
     idx, targets = batch

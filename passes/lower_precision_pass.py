@@ -60,6 +60,7 @@ class LowerPrecisionPass(DLSPass):
         self.fmt = fmt
         self.mode = mode
         self.policy = policy or PrecisionPolicy(fmt)
+        self._rewrote = False
 
     def _targets(self, graph: fx.Graph) -> list[fx.Node]:
         return [n for n in graph.nodes if n.op == "call_function" and self.policy.lowers(n.target)]
@@ -77,12 +78,15 @@ class LowerPrecisionPass(DLSPass):
             raise PassContractError(f"lower_precision: ops {bare} have no fake value (meta['val'])")
 
     def rewrite(self, gm: fx.GraphModule) -> bool:
+        self._rewrote = True
         targets = self._targets(gm.graph)
         lower = self._emulate if self.mode == "emulate" else self._native
         lower(gm.graph, targets)
         return bool(targets)
 
     def ensures(self, gm: fx.GraphModule) -> None:
+        if not self._rewrote:  # skipped: a graph lowered before (in either mode) is not rechecked
+            return
         if self.mode == "native":
             check_native(gm.graph, NATIVE_DTYPES[self.fmt], self.policy)
             return
@@ -150,8 +154,8 @@ class _NativeLowering:
 
     A node of the policy's 16-bit ops reads 16-bit casts of its float inputs; a node of its
     float32 ops, and every node with a step role, reads float32 casts of 16-bit inputs; any other
-    node whose inputs changed dtype is re-evaluated on their fake values (type promotion decides
-    its dtype) and, where its kernel refuses mixed dtypes, reads float32. A 16-bit op carrying
+    node whose inputs changed dtype runs in their dtype, in float32 where they mix 16-bit and
+    float32 tensors (type promotion, made explicit) or where its kernel refuses them. A 16-bit op carrying
     a role gives the role to a float32 cast of its output. Graph outputs get back their dtype.
     """
 
@@ -175,7 +179,7 @@ class _NativeLowering:
             elif self.policy.keeps_fp32(node.target) or role is not None:
                 replaced = self._map_inputs(node, self._widen_input)
             else:
-                replaced = False
+                replaced = self._promote(node)
             if not replaced and not any(a in self.changed for a in node.all_input_nodes):
                 continue
             self._retype(node)
@@ -215,6 +219,15 @@ class _NativeLowering:
 
     def _widen_input(self, x: fx.Node, op: fx.Node) -> fx.Node:
         return self.cast(x, torch.float32, op) if _dtype(x) in _HALF else x
+
+    def _promote(self, node: fx.Node) -> bool:
+        """Type promotion made explicit: an op that reads 16-bit and float32 tensors reads float32
+        casts of the 16-bit ones (some kernels' fake and real implementations disagree on mixed
+        dtypes, e.g. threshold_backward). 0-d tensors (scalars) do not take part, as in torch."""
+        dims = {_dtype(x) for x in node.all_input_nodes if _is_float(x) and x.meta["val"].dim() > 0}
+        if not (dims & set(_HALF)) or len(dims) < 2:
+            return False
+        return self._map_inputs(node, self._widen_input)
 
     def _retype(self, node: fx.Node) -> None:
         """Re-derive ``node``'s fake value; a kernel that refuses mixed dtypes reads float32."""
@@ -305,7 +318,8 @@ def _keep_dtype_args(node: fx.Node) -> frozenset[str]:
 
 
 def _is_native_cast(node: fx.Node) -> bool:
-    return node.target is _CET and roles.role_of(node) == roles.CAST
+    """A cast this pass inserted (a role it moved onto the cast included)."""
+    return node.target is _CET and roles.pass_of(node) == LowerPrecisionPass.name
 
 
 def _dtype(node: object) -> torch.dtype | None:

@@ -1,0 +1,318 @@
+"""Native mixed precision (``precision_mode="native"``) against torch's own autocast.
+
+The step graph of a GPT built on ``nn.MultiheadAttention`` runs its matmuls and attention in
+16 bits, keeps what autocast keeps in float32, saves 16-bit activations for the backward, and
+trains with the skipped steps and scales of ``torch.autocast`` + ``torch.amp.GradScaler`` on the
+same model and data, through ``capture_step``, a ``dlspass.compile`` step and AOT forward and
+backward graphs compiled separately (as the ``dlspass`` torch.compile backend gets them).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import dlspass
+from dlspass.capture.functional import CapturedStep
+from dlspass.graph import roles
+from dlspass.models import MHAGPT
+from dlspass.passes import LowerPrecisionPass
+
+aten = torch.ops.aten
+HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# what autocast runs in 16 bits, at the ATen level of a training step (forward and backward)
+LOW_OPS = {aten.mm.default, aten.addmm.default,
+           aten._scaled_dot_product_flash_attention_for_cpu.default,
+           aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+# what autocast keeps in float32, named here independently of dlspass.precision_policy
+FP32_PACKETS = {"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+                "native_layer_norm", "native_layer_norm_backward", "nll_loss_forward",
+                "nll_loss_backward", "sum", "mean", "exp", "pow"}
+DLS_ROLES = {roles.SCALED_SEED, roles.UNSCALE, roles.ISFINITE, roles.GRAD_NORM, roles.CLIP,
+             roles.GUARD, roles.SCALE_UPDATE}
+
+
+def _model(seed: int = 0) -> MHAGPT:
+    torch.manual_seed(seed)
+    return MHAGPT(vocab=32, d=32, n_layer=2, n_head=2, block_size=8)
+
+
+def _batch(i: int, mult: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(100 + i)
+    idx = torch.randint(0, 32, (2, 8), generator=g)
+    return idx, idx.roll(-1, dims=1), torch.tensor(mult)
+
+
+def _loss(model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """Next-token cross-entropy times the batch's multiplier."""
+    idx, targets, mult = batch
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) * mult
+
+
+def _loss_through_fp32_ops(model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """``_loss`` plus small terms that read the 16-bit logits through softmax, exp, pow and mean.
+
+    Not for the comparison with CPU autocast: on CPU autocast runs these in 16 bits (its CPU
+    float32 list is shorter than CUDA's), where the seed of a float16 step scaled by 2**16 is
+    already infinite."""
+    idx = batch[0]
+    logits = model(idx)
+    ce = _loss(lambda _: logits, batch)
+    return ce + 1e-4 * logits.pow(2).mean() + 1e-6 * logits.exp().mean() \
+        + 1e-4 * logits.softmax(-1).amax(-1).mean()
+
+
+def _dtype(n: torch.fx.Node) -> torch.dtype | None:
+    v = n.meta.get("val")
+    return v.dtype if isinstance(v, Tensor) else None
+
+
+def _native_step(fmt: str, mode: str = "native") -> CapturedStep:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return dlspass.capture_step(model, _loss_through_fp32_ops, opt, _batch(0), config=dlspass.DLSConfig(fp16_type=fmt),
+                                precision_mode=mode)
+
+
+def _backward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    (seed,) = roles.nodes_with_role(graph, roles.SEED)
+    bwd: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        if n is seed or any(a in bwd for a in n.all_input_nodes):
+            bwd.add(n)
+    return bwd
+
+
+def _saved_activations(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """Forward values computed from the batch that the backward reads (what autograd saves)."""
+    bwd = _backward_nodes(graph)
+    from_batch: set[torch.fx.Node] = set(roles.nodes_with_role(graph, roles.INPUT))
+    for n in graph.nodes:
+        if any(a in from_batch for a in n.all_input_nodes):
+            from_batch.add(n)
+    return [n for n in graph.nodes if n.op == "call_function" and n in from_batch and n not in bwd
+            and any(u in bwd for u in n.users) and isinstance(n.meta.get("val"), Tensor)]
+
+
+def _nbytes(nodes: list[torch.fx.Node]) -> int:
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in nodes)
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+def test_saved_activations_are_16_bit_and_fewer_bytes_than_emulation(fmt: str) -> None:
+    native = _saved_activations(_native_step(fmt).graph_module.graph)
+    emulated = _saved_activations(_native_step(fmt, "emulate").graph_module.graph)
+    assert _nbytes(native) < 0.85 * _nbytes(emulated), (_nbytes(native), _nbytes(emulated))
+    low = [n for n in native if _dtype(n) == HALF[fmt]]
+    assert low
+    # every saved value a backward matmul or attention kernel reads is 16-bit
+    graph_bwd = [u for n in native for u in n.users if u.target in LOW_OPS]
+    assert graph_bwd
+    for op in graph_bwd:
+        for a in op.all_input_nodes:
+            if a.target is operator.getitem and a.args[0].target in LOW_OPS and a.args[1] == 1:
+                continue  # the attention's logsumexp: float32 under autocast too
+            if a in native and a.meta["val"].is_floating_point():
+                assert _dtype(a) == HALF[fmt], (op.name, a.name)
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+def test_autocast_float32_ops_optimizer_and_dls_stay_float32(fmt: str) -> None:
+    step = _native_step(fmt)
+    graph = step.graph_module.graph
+    half = HALF[fmt]
+    seen, low_seen = set(), set()
+    grads = roles.nodes_with_role(graph, roles.GRAD)
+    optimizer: set[torch.fx.Node] = set()
+    frontier = list(grads)
+    while frontier:  # every node downstream of a gradient: unscale, check, clip, optimizer, guard
+        n = frontier.pop()
+        if n not in optimizer:
+            optimizer.add(n)
+            frontier += [u for u in n.users if u.op == "call_function"]
+    assert grads and len(optimizer) > 5 * len(grads)
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        packet = getattr(n.target, "_opname", None)
+        vals = [x for x in [*n.all_input_nodes, n] if x.meta.get("val") is not None]
+        if packet in FP32_PACKETS or n in optimizer or roles.role_of(n) in DLS_ROLES:
+            seen.add(packet if packet in FP32_PACKETS else "optimizer/dls")
+            assert not [x.name for x in vals if _dtype(x) == half], (n.name, n.target)
+        if n.target in LOW_OPS:
+            low_seen.add(n.target)
+            outs = n.meta["val"] if isinstance(n.meta["val"], tuple) else (n.meta["val"],)
+            assert outs[0].dtype == half, n.name
+    assert seen == FP32_PACKETS | {"optimizer/dls"}, FP32_PACKETS - seen
+    assert low_seen == LOW_OPS
+    for (role, target), v in zip(roles.output_roles(graph), roles.output_values(graph), strict=True):
+        if role in (roles.PARAM_UPDATE, roles.OPT_STATE_UPDATE, roles.LOSS):
+            assert _dtype(v) == torch.float32, (role, target)
+
+
+# ---- training against torch.autocast + torch.amp.GradScaler -----------------------------------
+
+STEPS = 6
+LR = 1e-2
+OVERFLOW_AT = 3  # a loss multiplier float16 cannot hold in the gradients: the step is skipped
+
+
+def _mult(i: int, fmt: str) -> float:
+    return 1e12 if (i == OVERFLOW_AT and fmt == "float16") else 1.0
+
+
+def _reference(fmt: str) -> tuple[list[tuple[float, int]], dict[str, Tensor]]:
+    """torch's own recipe: autocast forward, GradScaler(growth_interval=2) for float16."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=2, enabled=fmt == "float16")
+    trace = []
+    skipped = 0
+    for i in range(STEPS):
+        with torch.autocast("cpu", dtype=HALF[fmt]):
+            loss = _loss(model, _batch(i, _mult(i, fmt)))
+        scaler.scale(loss).backward()
+        before = scaler.get_scale() if fmt == "float16" else 1.0
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        after = scaler.get_scale() if fmt == "float16" else 1.0
+        skipped += int(after < before)
+        trace.append((after, skipped))
+    return trace, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _config(fmt: str) -> dlspass.DLSConfig:
+    return dlspass.DLSConfig(fp16_type=fmt, policy="torch", steps_per_increase=2)
+
+
+def _train_captured(fmt: str) -> tuple[list[tuple[float, int]], dict[str, Tensor]]:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    step = dlspass.capture_step(model, _loss, opt, _batch(0), config=_config(fmt), precision_mode="native")
+    trace = []
+    for i in range(STEPS):
+        step(_batch(i, _mult(i, fmt)))
+        trace.append((float(step.scaler.get_scale()), int(step.scaler.get_num_skipped_steps())))
+    return trace, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _train_compiled(fmt: str) -> tuple[list[tuple[float, int]], dict[str, Tensor]]:
+    """``dlspass.compile`` with the native pass as a graph pass on the AOT step graph (it runs
+    before ``apply_dls``, whose own lowering then finds the graph lowered)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    scaler = dlspass.GradScaler(config=_config(fmt))
+
+    def train_step(idx: Tensor, targets: Tensor, mult: Tensor) -> Tensor:
+        loss = _loss(model, (idx, targets, mult))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, fp16_type=fmt,
+                           backend_compiler="eager",
+                           graph_passes=[lambda gm: LowerPrecisionPass(fmt, "native")(gm)])
+    trace = []
+    for i in range(STEPS):
+        step(*_batch(i, _mult(i, fmt)))
+        trace.append((float(scaler.get_scale()), int(scaler.get_num_skipped_steps())))
+    mm = [n for n in step.graphs[-1].graph.nodes if n.target is aten.mm.default]
+    assert mm and all(_dtype(n) == HALF[fmt] for n in mm)
+    return trace, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _native_aot_backend(fmt: str, lowered: list[torch.fx.GraphModule]) -> Callable:
+    """A torch.compile backend lowering AOTAutograd's forward and backward graphs separately."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable:
+        LowerPrecisionPass(fmt, "native")(gm)
+        gm.recompile()
+        lowered.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph)
+
+
+def _train_backend(fmt: str) -> tuple[list[tuple[float, int]], dict[str, Tensor]]:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=2, enabled=fmt == "float16")
+    lowered: list[torch.fx.GraphModule] = []
+    cmodel = torch.compile(model, backend=_native_aot_backend(fmt, lowered))
+    trace = []
+    skipped = 0
+    for i in range(STEPS):
+        scaler.scale(_loss(cmodel, _batch(i, _mult(i, fmt)))).backward()
+        before = scaler.get_scale() if fmt == "float16" else 1.0
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        after = scaler.get_scale() if fmt == "float16" else 1.0
+        skipped += int(after < before)
+        trace.append((after, skipped))
+    assert len(lowered) == 2  # one forward, one backward graph
+    for gm in lowered:
+        mm = [n for n in gm.graph.nodes if n.target is aten.mm.default]
+        assert mm and all(_dtype(n) == HALF[fmt] for n in mm)
+    return trace, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+# Relative to the update, two correct implementations differ by the format's rounding (float16
+# keeps 10 bits, bfloat16 7; autocast on CPU also runs layer norm in 16 bits where dlspass keeps
+# it in float32): 4 units of the format's epsilon.
+TOLERANCE = {"float16": 4 * 2.0**-10, "bfloat16": 4 * 2.0**-7}
+
+
+def _comparable(name: str, p: Tensor) -> Tensor:
+    """``p`` without the attention's key bias, whose gradient is exactly zero (softmax ignores
+    it): AdamW turns its rounding noise into full steps of the learning rate."""
+    if name.endswith("attn.in_proj_bias"):
+        d = p.shape[0] // 3
+        return torch.cat([p[:d], p[2 * d:]])
+    return p
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("train", [_train_captured, _train_compiled, _train_backend],
+                         ids=["capture_step", "compile", "backend"])
+def test_trains_like_torch_autocast_and_gradscaler(fmt: str, train: Callable) -> None:
+    ref_trace, ref_params = _reference(fmt)
+    trace, params = train(fmt)
+    assert trace == ref_trace  # the same scale and skipped-step count after every step
+    if fmt == "float16":
+        assert ref_trace[OVERFLOW_AT][1] == 1 and ref_trace[-1][0] > ref_trace[0][0]  # skipped, grew
+    init = dict(_model().named_parameters())
+    for k, want in ref_params.items():
+        got, want, start = (_comparable(k, t.detach()) for t in (params[k], want, init[k]))
+        moved = float((want - start).norm())
+        assert moved > 0, k
+        assert float((got - want).norm()) <= TOLERANCE[fmt] * moved, k
+
+
+def test_native_casts_each_tensor_once_and_never_back_and_forth() -> None:
+    graph = _native_step("bfloat16").graph_module.graph
+    cet = torch.ops.prims.convert_element_type.default
+    casts = [n for n in graph.nodes if n.target is cet and roles.pass_of(n) == "lower_precision"]
+    assert casts
+    keys = [(c.args[0], c.args[1]) for c in casts]
+    assert len(set(keys)) == len(keys), "a tensor is cast twice to the same dtype"
+    for c in casts:
+        src = c.args[0]
+        if src.target is cet:  # a cast of a cast must not return to the first one's source dtype
+            assert _dtype(src.args[0]) != c.args[1], c.name
+    # parameters (master weights) are float32 inputs, read by the 16-bit ops through one cast each
+    params = roles.nodes_with_role(graph, roles.PARAM)
+    assert params and all(_dtype(p) == torch.float32 for p in params)
+    for p in params:
+        assert len([u for u in p.users if u.target is cet]) <= 1, p.name
+
