@@ -316,3 +316,19 @@ def test_native_casts_each_tensor_once_and_never_back_and_forth() -> None:
     for p in params:
         assert len([u for u in p.users if u.target is cet]) <= 1, p.name
 
+
+
+def test_verifier_passes_native_steps_and_refuses_16_bit_dls_math() -> None:
+    from dlspass.graph.invariants import VerificationError, verify
+    from dlspass.graph.splice import insert_op
+
+    gm = _native_step("float16").graph_module
+    assert verify(gm)
+    # a 16-bit value slipped into the unscale (what a wrong lowering would do) is refused
+    unscale = roles.nodes_with_role(gm.graph, roles.UNSCALE)[-1]
+    x = next(a for a in unscale.all_input_nodes if a.meta["val"].dim() > 0)
+    low = insert_op(gm.graph, torch.ops.prims.convert_element_type.default, (x, torch.float16),
+                    before=unscale, role=roles.CAST, by_pass="test")
+    unscale.replace_input_with(x, low)
+    with pytest.raises(VerificationError, match="unscale node .* in torch.float16"):
+        verify(gm)

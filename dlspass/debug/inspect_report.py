@@ -133,7 +133,9 @@ def _summarize_fx(gm: Any) -> dict[str, Any]:
             hist[op] += 1
         if by is not None:
             inserted[by] += 1
-        if role == roles.CAST and _converts(node):  # not the views replayed on a cast value
+        # not the views replayed on a cast value; a native cast that took a gradient's role
+        # (the float32 copy of an mm's output) counts too
+        if (role == roles.CAST or by == "lower_precision") and _converts(node):
             casts[_cast_key(node)] += 1
         if role is not None:
             role_rows.append({"node": node.name, "role": role, "target": target, "pass": by})

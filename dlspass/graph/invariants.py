@@ -13,7 +13,11 @@ For a graph with dynamic loss scaling:
   ``old`` is the matching placeholder and whose condition depends on the gradients
   (or is that placeholder passed through unchanged). Buffer and scaler-state outputs are exempt.
 
-A static scale checks the first three; a graph without scaling only gets linted.
+- no DLS node (scaled seed, unscale, overflow check, norm, clip, guard, scale update) and no
+  gradient the optimizer reads holds a 16-bit value: native mixed precision
+  (``LowerPrecisionPass(mode="native")``) keeps them, like the master weights, in float32.
+
+A static scale checks the first three and the last; a graph without scaling only gets linted.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ def verify(gm: fx.GraphModule | fx.Graph) -> bool:
     if not enabled:
         return True
     dag = to_networkx(graph)
+    _check_float32(graph)
     seed, scale = _check_seed(graph)
     _check_unscale_inputs(graph, dag, seed, scale)
     lo, hi = _unscale_counts(dag, seed)
@@ -98,6 +103,19 @@ def verify(gm: fx.GraphModule | fx.Graph) -> bool:
         if dynamic:
             _check_guard(graph, v, i, role, target, lo)
     return True
+
+
+_FLOAT32_ROLES = (roles.GRAD, roles.SCALED_SEED, roles.UNSCALE, roles.ISFINITE, roles.GRAD_NORM,
+                  roles.CLIP, roles.GUARD, roles.SCALE_UPDATE)
+
+
+def _check_float32(graph: fx.Graph) -> None:
+    for node in roles.nodes_with_role(graph, _FLOAT32_ROLES):
+        for x in (*node.all_input_nodes, node):
+            v = x.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16):
+                raise VerificationError(f"{roles.role_of(node)} node {node.name!r} reads or writes "
+                                        f"{x.name!r} in {v.dtype}: DLS math must run in float32")
 
 
 def _check_seed(graph: fx.Graph) -> tuple[fx.Node, fx.Node]:
