@@ -105,13 +105,15 @@ def verify(gm: fx.GraphModule | fx.Graph) -> bool:
     return True
 
 
-_FLOAT32_ROLES = (roles.GRAD, roles.SCALED_SEED, roles.UNSCALE, roles.ISFINITE, roles.GRAD_NORM,
-                  roles.CLIP, roles.GUARD, roles.SCALE_UPDATE)
+_DLS_ROLES = (roles.SCALED_SEED, roles.UNSCALE, roles.ISFINITE, roles.GRAD_NORM, roles.CLIP,
+              roles.GUARD, roles.SCALE_UPDATE)
 
 
 def _check_float32(graph: fx.Graph) -> None:
-    for node in roles.nodes_with_role(graph, _FLOAT32_ROLES):
-        for x in (*node.all_input_nodes, node):
+    for node in roles.nodes_with_role(graph, (*_DLS_ROLES, roles.GRAD)):
+        # a gradient may be the float32 cast of a 16-bit op's output: only its value counts
+        seen = (node,) if roles.role_of(node) == roles.GRAD else (*node.all_input_nodes, node)
+        for x in seen:
             v = x.meta.get("val")
             if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16):
                 raise VerificationError(f"{roles.role_of(node)} node {node.name!r} reads or writes "

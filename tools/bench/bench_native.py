@@ -1,0 +1,293 @@
+"""Benchmark: native 16-bit training steps of dlspass against torch's best practice per format.
+
+Models (``--models``): ``gpt`` (``dlspass.models.MHAGPT``: d 384, 4 layers of
+``nn.MultiheadAttention``, 6 heads, vocab 1024, batch 16x128), ``gpt2`` (transformers
+``GPT2LMHeadModel``, small config: d 256, 4 layers, vocab 1024, batch 16x128) and ``resnet18``
+(transformers ``ResNetForImageClassification``, the ResNet-18 layout, 10 classes, batch 16 of
+3x64x64). AdamW everywhere. Variants, each compiled with inductor:
+
+- ``fp32``: ``torch.compile(model)``, fused AdamW, float32;
+- ``torch-<fmt>``: the same under ``torch.autocast(dtype=<fmt>)`` (float16 adds
+  ``torch.amp.GradScaler``): torch's best practice for the format;
+- ``dlspass-<fmt>``: ``dlspass.compile`` of the whole step with a dynamic ``dlspass.GradScaler``
+  and native 16-bit kernels (``LowerPrecisionPass(fmt, "native")`` as a graph pass on the AOT
+  step graph, which ``apply_dls`` then finds lowered);
+- ``emulate-<fmt>`` (only with ``--emulate``): ``dlspass.compile`` as it emulates the format in
+  float32 kernels.
+
+Reported per model and variant: the steady step (median over ``--repeats`` interleaved samples of
+``--steps`` steps each, every variant built in this one process), the first call (compile
+included) and the peak memory, measured in a fresh process per variant (``ru_maxrss``; on CUDA
+also ``torch.cuda.max_memory_allocated``).
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_native.py [--device cuda]
+[--formats bfloat16 float16] [--models gpt gpt2 resnet18] [--repeats 9] [--steps 3] [--small]
+[--out FILE]``. ``--small`` shrinks every model (a smoke run: seconds of steady time, compile
+dominated). Prints a markdown table (and writes it to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import dlspass
+from dlspass.models import MHAGPT
+from dlspass.passes import LowerPrecisionPass
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+Batch = tuple[Tensor, ...]
+
+
+# ---- models: (model, loss_of(model, *batch), batch) -------------------------------------------
+
+def _tokens(batch: int, seq: int, vocab: int, device: str) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device)
+
+
+def _gpt(small: bool, device: str) -> tuple[nn.Module, Callable[..., Tensor], Batch]:
+    d, layers, heads, vocab, batch, seq = (64, 2, 4, 128, 4, 32) if small else (384, 4, 6, 1024, 16, 128)
+    model = MHAGPT(vocab=vocab, d=d, n_layer=layers, n_head=heads, block_size=seq)
+
+    def loss_of(m: nn.Module, idx: Tensor, targets: Tensor) -> Tensor:
+        logits = m(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return model, loss_of, _tokens(batch, seq, vocab, device)
+
+
+def _gpt2(small: bool, device: str) -> tuple[nn.Module, Callable[..., Tensor], Batch]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    d, layers, heads, vocab, batch, seq = (64, 2, 2, 128, 4, 32) if small else (256, 4, 4, 1024, 16, 128)
+    cfg = GPT2Config(n_layer=layers, n_embd=d, n_head=heads, vocab_size=vocab, n_positions=seq,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg)
+
+    def loss_of(m: nn.Module, idx: Tensor, targets: Tensor) -> Tensor:
+        return m(input_ids=idx, labels=idx).loss
+
+    return model, loss_of, _tokens(batch, seq, vocab, device)
+
+
+def _resnet18(small: bool, device: str) -> tuple[nn.Module, Callable[..., Tensor], Batch]:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    if small:
+        cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+                           num_labels=10)
+        batch, size = 4, 32
+    else:
+        cfg = ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2],
+                           layer_type="basic", num_labels=10)
+        batch, size = 16, 64
+    model = ResNetForImageClassification(cfg)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, 3, size, size, generator=g).to(device)
+    labels = torch.randint(0, 10, (batch,), generator=g).to(device)
+
+    def loss_of(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return m(pixel_values=x, labels=y).loss
+
+    return model, loss_of, (images, labels)
+
+
+MODELS = {"gpt": _gpt, "gpt2": _gpt2, "resnet18": _resnet18}
+
+
+# ---- variants: step(*batch) -> loss ------------------------------------------------------------
+
+def _torch_step(model: nn.Module, loss_of: Callable[..., Tensor], device: str,
+                fmt: str | None) -> Callable[..., Tensor]:
+    """torch's best practice: compiled model, fused AdamW, autocast (and GradScaler for float16)."""
+    cmodel = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    scaler = torch.amp.GradScaler(device, enabled=fmt == "float16")
+
+    def step(*batch: Tensor) -> Tensor:
+        with torch.autocast(device, dtype=DTYPES[fmt] if fmt else torch.float32, enabled=fmt is not None):
+            loss = loss_of(cmodel, *batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _dlspass_step(model: nn.Module, loss_of: Callable[..., Tensor], fmt: str,
+                  native: bool) -> Callable[..., Tensor]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = dlspass.GradScaler(config=dlspass.DLSConfig(fp16_type=fmt))
+
+    def train_step(*batch: Tensor) -> Tensor:
+        loss = loss_of(model, *batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    passes = [lambda gm: LowerPrecisionPass(fmt, "native")(gm)] if native else []
+    return dlspass.compile(train_step, optimizer=opt, scaler=scaler, fp16_type=fmt, graph_passes=passes)
+
+
+def build(model_name: str, variant: str, device: str, small: bool) -> tuple[Callable[..., Tensor], Batch]:
+    """The step of ``variant`` on a fresh ``model_name`` (same seed for every variant)."""
+    torch.manual_seed(0)
+    model, loss_of, batch = MODELS[model_name](small, device)
+    model.to(device).train()
+    kind, _, fmt = variant.partition("-")
+    if kind == "fp32":
+        return _torch_step(model, loss_of, device, None), batch
+    if kind == "torch":
+        return _torch_step(model, loss_of, device, fmt), batch
+    return _dlspass_step(model, loss_of, fmt, native=kind == "dlspass"), batch
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(step: Callable[..., Tensor], batch: Batch, steps: int, device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(*batch)
+    _sync(device)
+    return (time.perf_counter() - t0) / steps
+
+
+def measure_memory(model_name: str, variant: str, device: str, small: bool, steps: int) -> dict[str, float]:
+    """Run in a child process: build, first call, ``steps`` steps; the process's peak memory."""
+    step, batch = build(model_name, variant, device, small)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(1 + steps):
+        step(*batch)
+    _sync(device)
+    out = {"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device == "cuda":
+        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def _memory_in_child(model_name: str, variant: str, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--child", model_name, variant, "--device", args.device,
+           "--steps", str(args.steps), *(["--small"] if args.small else [])]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0:
+        tail = res.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        return {"error": tail[0][:200]}  # type: ignore[dict-item]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run_model(model_name: str, variants: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    built: dict[str, tuple[Callable[..., Tensor], Batch]] = {}
+    for v in variants:
+        try:
+            step, batch = build(model_name, v, args.device, args.small)
+            _sync(args.device)
+            t0 = time.perf_counter()
+            step(*batch)
+            _sync(args.device)
+            rows[v] = {"first_s": time.perf_counter() - t0, "samples": []}
+            built[v] = (step, batch)
+        except Exception as e:  # a failing variant is a row of the report, not the end of it
+            rows[v] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"}
+    for _ in range(args.repeats):  # interleaved: every variant sees the same machine load
+        for v, (step, batch) in built.items():
+            rows[v]["samples"].append(_timed(step, batch, args.steps, args.device))
+    for v in built:
+        rows[v]["step_ms"] = 1000 * statistics.median(rows[v].pop("samples"))
+    if not args.no_memory:
+        for v in variants:
+            if "error" not in rows[v]:
+                rows[v].update(_memory_in_child(model_name, v, args))
+    return rows
+
+
+def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace, command: str) -> str:
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else (platform.processor() or platform.machine())
+    lines = [f"# Native 16-bit steps vs torch best practice ({args.device}: {dev})", "",
+             f"`{command}`; torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+             f"{args.repeats} interleaved samples of {args.steps} steps, medians"
+             + (" (--small: smoke sizes)" if args.small else ""), ""]
+    mem_col = "CUDA peak (MB)" if args.device == "cuda" else "peak RSS (MB)"
+    for model_name, rows in results.items():
+        lines += [f"## {model_name}", "",
+                  f"| variant | ms/step | vs fp32 | vs torch same format | first call (s) | {mem_col} |",
+                  "|---|---|---|---|---|---|"]
+        base = rows.get("fp32", {}).get("step_ms")
+        for v, r in rows.items():
+            if "error" in r:
+                lines.append(f"| {v} | failed: {r['error']} | | | | |")
+                continue
+            fmt = v.partition("-")[2]
+            ref = rows.get(f"torch-{fmt}", {}).get("step_ms")
+            mem = r.get("cuda_peak_mb" if args.device == "cuda" else "maxrss_mb")
+            cells = [v, f"{r['step_ms']:.1f}", _ratio(r["step_ms"], base),
+                     "" if v.startswith(("torch", "fp32")) else _ratio(r["step_ms"], ref),
+                     f"{r['first_s']:.1f}", "" if mem is None else f"{mem:.0f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _ratio(x: float, base: float | None) -> str:
+    return f"{x / base:.2f}" if base else ""
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--formats", nargs="+", default=["bfloat16", "float16"], choices=list(DTYPES))
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed sample")
+    parser.add_argument("--small", action="store_true", help="smoke sizes for every model")
+    parser.add_argument("--emulate", action="store_true", help="also time dlspass's emulated format")
+    parser.add_argument("--no-memory", action="store_true", help="skip the process-per-variant peaks")
+    parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.exit(2, "bench_native: --device cuda but torch sees no CUDA device\n")
+    if args.child:
+        out = json.dumps(measure_memory(*args.child, args.device, args.small, args.steps))
+        print(out)
+        return out
+    variants = ["fp32"]
+    for fmt in args.formats:
+        variants += [f"torch-{fmt}", f"dlspass-{fmt}", *([f"emulate-{fmt}"] if args.emulate else [])]
+    results = {m: run_model(m, variants, args) for m in args.models}
+    command = "OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "(unset)") + " python " + \
+        " ".join([str(Path(__file__).relative_to(Path.cwd())) if Path.cwd() in Path(__file__).parents
+                  else __file__, *(argv if argv is not None else sys.argv[1:])])
+    text = report(results, args, command)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return text
+
+
+if __name__ == "__main__":
+    main()
