@@ -1,14 +1,4 @@
-"""LowerPrecisionPass: the policy's ops (mm, bmm, conv, ... forward and backward) read and write 16-bit values.
-
-Two modes. ``emulate`` rounds the inputs and outputs of the policy's 16-bit ops to the format
-inside float32 tensors (``dlspass::round_to_format``): the numerics of 16-bit training, any
-format (cbfloat16 included), float32 kernels. ``native`` gives the graph the dtypes autocast
-would: the 16-bit ops read 16-bit casts of their inputs and write 16-bit outputs, the policy's
-float32 ops (softmax, norms, losses, reductions, exp/pow) read float32, every other op runs in
-the dtype type promotion gives it (so activations between 16-bit ops, and the values the
-backward reads, are 16-bit), and every node with a step role (gradient, seed, optimizer, DLS
-math) and every graph output keeps its float32. Each tensor is cast at most once per dtype.
-"""
+"""LowerPrecisionPass: the policy's ops (mm, bmm, conv, ... forward and backward) read and write 16-bit values."""
 
 from __future__ import annotations
 
@@ -44,7 +34,17 @@ def _is_f32(node: object) -> bool:
 
 
 class LowerPrecisionPass(DLSPass):
-    """Round (emulate) or cast (native) every float input and output of the policy's ops."""
+    """Round (emulate) or cast (native) every float input and output of the policy's ops.
+
+    Two modes. ``emulate`` rounds the inputs and outputs of the policy's 16-bit ops to the format
+    inside float32 tensors (``dlspass::round_to_format``): the numerics of 16-bit training, any
+    format (cbfloat16 included), float32 kernels. ``native`` gives the graph the dtypes autocast
+    would: the 16-bit ops read 16-bit casts of their inputs and write 16-bit outputs, the policy's
+    float32 ops (softmax, norms, losses, reductions, exp/pow) read float32, every other op runs in
+    the dtype type promotion gives it (so activations between 16-bit ops, and the values the
+    backward reads, are 16-bit), and every node with a step role (gradient, seed, optimizer, DLS
+    math) and every graph output keeps its float32. Each tensor is cast at most once per dtype.
+    """
 
     name = "lower_precision"
 
