@@ -3,12 +3,13 @@
 The step graph of a GPT built on ``nn.MultiheadAttention`` runs its matmuls and attention in
 16 bits, keeps what autocast keeps in float32, saves 16-bit activations for the backward, and
 trains with the skipped steps and scales of ``torch.autocast`` + ``torch.amp.GradScaler`` on the
-same model and data, through ``capture_step``, a ``dlspass.compile`` step and AOT forward and
-backward graphs compiled separately (as the ``dlspass`` torch.compile backend gets them).
+same model and data, through ``capture_step``, ``dlspass.compile``, ``backend="dlspass"`` and
+``make_backend`` (whose AOT forward and backward graphs are lowered separately).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 
@@ -21,7 +22,6 @@ import dlspass
 from dlspass.capture.functional import CapturedStep
 from dlspass.graph import roles
 from dlspass.models import MHAGPT
-from dlspass.passes import LowerPrecisionPass
 
 aten = torch.ops.aten
 HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -204,8 +204,6 @@ def _train_captured(fmt: str) -> tuple[list[tuple[float, int]], dict[str, Tensor
 
 
 def _train_compiled(fmt: str) -> tuple[list[tuple[float, int]], dict[str, Tensor]]:
-    """``dlspass.compile`` with the native pass as a graph pass on the AOT step graph (it runs
-    before ``apply_dls``, whose own lowering then finds the graph lowered)."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     scaler = dlspass.GradScaler(config=_config(fmt))
@@ -217,53 +215,55 @@ def _train_compiled(fmt: str) -> tuple[list[tuple[float, int]], dict[str, Tensor
         opt.zero_grad()
         return loss.detach()
 
-    step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, fp16_type=fmt,
-                           backend_compiler="eager",
-                           graph_passes=[lambda gm: LowerPrecisionPass(fmt, "native")(gm)])
+    step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, precision_mode="native",
+                           backend_compiler="eager")
     trace = []
     for i in range(STEPS):
         step(*_batch(i, _mult(i, fmt)))
         trace.append((float(scaler.get_scale()), int(scaler.get_num_skipped_steps())))
-    mm = [n for n in step.graphs[-1].graph.nodes if n.target is aten.mm.default]
-    assert mm and all(_dtype(n) == HALF[fmt] for n in mm)
+    _assert_16_bit_matmuls([step.graphs[-1]], fmt)
     return trace, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _native_aot_backend(fmt: str, lowered: list[torch.fx.GraphModule]) -> Callable:
-    """A torch.compile backend lowering AOTAutograd's forward and backward graphs separately."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable:
-        LowerPrecisionPass(fmt, "native")(gm)
-        gm.recompile()
-        lowered.append(gm)
-        return make_boxed_func(gm.forward)
-
-    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph)
+def _assert_16_bit_matmuls(graphs: list[torch.fx.GraphModule], fmt: str) -> None:
+    for gm in graphs:
+        mm = [n for n in gm.graph.nodes if n.target is aten.mm.default]
+        assert mm and all(_dtype(n) == HALF[fmt] for n in mm)
 
 
-def _train_backend(fmt: str) -> tuple[list[tuple[float, int]], dict[str, Tensor]]:
+class _Loss(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *batch: Tensor) -> Tensor:
+        return _loss(self.model, batch)
+
+
+def _train_backend(fmt: str, make: bool) -> tuple[list[tuple[float, int]], dict[str, Tensor]]:
+    """``backend="dlspass"`` (the eager scaler scales) or ``make_backend(scaler=)`` (the backward
+    graph scales): AOTAutograd's forward and backward graphs, each lowered on its own."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    scaler = torch.amp.GradScaler("cpu", growth_interval=2, enabled=fmt == "float16")
-    lowered: list[torch.fx.GraphModule] = []
-    cmodel = torch.compile(model, backend=_native_aot_backend(fmt, lowered))
+    scaler = dlspass.GradScaler(config=_config(fmt))
+    torch._dynamo.reset()
+    if make:
+        backend = dlspass.make_backend(scaler=scaler, precision_mode="native", backend_compiler="eager")
+        cmodel = torch.compile(_Loss(model), backend=backend)
+    else:
+        cmodel = torch.compile(_Loss(model), backend="dlspass", options={
+            "config": _config(fmt), "precision_mode": "native", "backend_compiler": "eager"})
     trace = []
-    skipped = 0
     for i in range(STEPS):
-        scaler.scale(_loss(cmodel, _batch(i, _mult(i, fmt)))).backward()
-        before = scaler.get_scale() if fmt == "float16" else 1.0
+        loss = cmodel(*_batch(i, _mult(i, fmt)))
+        (loss if make else scaler.scale(loss)).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-        after = scaler.get_scale() if fmt == "float16" else 1.0
-        skipped += int(after < before)
-        trace.append((after, skipped))
-    assert len(lowered) == 2  # one forward, one backward graph
-    for gm in lowered:
-        mm = [n for n in gm.graph.nodes if n.target is aten.mm.default]
-        assert mm and all(_dtype(n) == HALF[fmt] for n in mm)
+        trace.append((float(scaler.get_scale()), int(scaler.get_num_skipped_steps())))
+    if make:
+        assert len(backend.graphs) == 2  # one forward, one backward graph
+        _assert_16_bit_matmuls(backend.graphs, fmt)
     return trace, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
@@ -283,8 +283,10 @@ def _comparable(name: str, p: Tensor) -> Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
-@pytest.mark.parametrize("train", [_train_captured, _train_compiled, _train_backend],
-                         ids=["capture_step", "compile", "backend"])
+@pytest.mark.parametrize("train", [
+    _train_captured, _train_compiled, functools.partial(_train_backend, make=False),
+    functools.partial(_train_backend, make=True)],
+    ids=["capture_step", "compile", "backend", "make_backend"])
 def test_trains_like_torch_autocast_and_gradscaler(fmt: str, train: Callable) -> None:
     ref_trace, ref_params = _reference(fmt)
     trace, params = train(fmt)
@@ -332,3 +334,27 @@ def test_verifier_passes_native_steps_and_refuses_16_bit_dls_math() -> None:
     unscale.replace_input_with(x, low)
     with pytest.raises(VerificationError, match="unscale node .* in torch.float16"):
         verify(gm)
+
+
+@pytest.mark.parametrize(("fmt", "mode"), [("float16", "native"), ("bfloat16", "native"),
+                                           ("cbfloat16", "emulate")])
+def test_the_default_mode_is_native_for_float16_and_bfloat16_and_emulate_for_cbfloat16(
+        fmt: str, mode: str) -> None:
+    assert dlspass.DLSConfig(fp16_type=fmt).lowering_mode == mode
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def train_step(idx: Tensor, targets: Tensor, mult: Tensor) -> Tensor:
+        loss = _loss(model, (idx, targets, mult))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = dlspass.compile(train_step, optimizer=opt, fp16_type=fmt, backend_compiler="eager")
+    step(*_batch(0))
+    graph = step.graphs[-1].graph
+    mm = [n for n in graph.nodes if n.target is aten.mm.default]
+    rounded = [n for n in graph.nodes if n.target is torch.ops.dlspass.round_to_format.default]
+    assert mm and {_dtype(n) for n in mm} == {HALF.get(fmt, torch.float32)}
+    assert bool(rounded) == (mode == "emulate")

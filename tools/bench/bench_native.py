@@ -10,20 +10,26 @@ Models (``--models``): ``gpt`` (``dlspass.models.MHAGPT``: d 384, 4 layers of
 - ``torch-<fmt>``: the same under ``torch.autocast(dtype=<fmt>)`` (float16 adds
   ``torch.amp.GradScaler``): torch's best practice for the format;
 - ``dlspass-<fmt>``: ``dlspass.compile`` of the whole step with a dynamic ``dlspass.GradScaler``
-  and native 16-bit kernels (``LowerPrecisionPass(fmt, "native")`` as a graph pass on the AOT
-  step graph, which ``apply_dls`` then finds lowered);
-- ``emulate-<fmt>`` (only with ``--emulate``): ``dlspass.compile`` as it emulates the format in
-  float32 kernels.
+  in the default precision mode: native 16-bit kernels for float16 and bfloat16, the emulated
+  format for cbfloat16 (``--formats cbfloat16``: no torch variant, compare with fp32);
+- ``emulate-<fmt>`` (only with ``--emulate``): ``dlspass.compile`` with
+  ``precision_mode="emulate"``, the format rounded in float32 kernels.
 
 Reported per model and variant: the steady step (median over ``--repeats`` interleaved samples of
 ``--steps`` steps each, every variant built in this one process), the first call (compile
 included) and the peak memory, measured in a fresh process per variant (``ru_maxrss``; on CUDA
 also ``torch.cuda.max_memory_allocated``).
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_native.py [--device cuda]
-[--formats bfloat16 float16] [--models gpt gpt2 resnet18] [--repeats 9] [--steps 3] [--small]
-[--out FILE]``. ``--small`` shrinks every model (a smoke run: seconds of steady time, compile
-dominated). Prints a markdown table (and writes it to ``--out``).
+Prints a markdown table (and writes it to ``--out``) headed by the command and the machine.
+The measurement (all three models, bfloat16 and float16), on a quiet machine (one process,
+nothing else running; about 15 minutes on 2 CPU cores):
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_native.py --emulate --out tools/bench/results/native.md
+
+and the cbfloat16 goal (emulated step against fp32 compiled):
+``... bench_native.py --formats cbfloat16``. On CUDA: ``tools/bench/gpu_check.sh``. A smoke
+run (``--small``: tiny models, seconds of steady time, compile dominated; the numbers mean
+nothing): ``... bench_native.py --small --models gpt --repeats 1 --steps 1 --no-memory``.
 """
 
 from __future__ import annotations
@@ -47,7 +53,6 @@ from torch import Tensor, nn
 
 import dlspass
 from dlspass.models import MHAGPT
-from dlspass.passes import LowerPrecisionPass
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 Batch = tuple[Tensor, ...]
@@ -133,7 +138,9 @@ def _torch_step(model: nn.Module, loss_of: Callable[..., Tensor], device: str,
 
 
 def _dlspass_step(model: nn.Module, loss_of: Callable[..., Tensor], fmt: str,
-                  native: bool) -> Callable[..., Tensor]:
+                  mode: str | None) -> Callable[..., Tensor]:
+    """``dlspass.compile`` of the whole step with a dynamic scaler; ``mode`` None: the config's
+    default precision mode (native for float16 and bfloat16, emulate for cbfloat16)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = dlspass.GradScaler(config=dlspass.DLSConfig(fp16_type=fmt))
 
@@ -144,8 +151,7 @@ def _dlspass_step(model: nn.Module, loss_of: Callable[..., Tensor], fmt: str,
         opt.zero_grad()
         return loss.detach()
 
-    passes = [lambda gm: LowerPrecisionPass(fmt, "native")(gm)] if native else []
-    return dlspass.compile(train_step, optimizer=opt, scaler=scaler, fp16_type=fmt, graph_passes=passes)
+    return dlspass.compile(train_step, optimizer=opt, scaler=scaler, precision_mode=mode)
 
 
 def build(model_name: str, variant: str, device: str, small: bool) -> tuple[Callable[..., Tensor], Batch]:
@@ -158,7 +164,7 @@ def build(model_name: str, variant: str, device: str, small: bool) -> tuple[Call
         return _torch_step(model, loss_of, device, None), batch
     if kind == "torch":
         return _torch_step(model, loss_of, device, fmt), batch
-    return _dlspass_step(model, loss_of, fmt, native=kind == "dlspass"), batch
+    return _dlspass_step(model, loss_of, fmt, None if kind == "dlspass" else "emulate"), batch
 
 
 def _sync(device: str) -> None:
@@ -257,10 +263,13 @@ def _ratio(x: float, base: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--formats", nargs="+", default=["bfloat16", "float16"], choices=list(DTYPES))
+    parser.add_argument("--formats", nargs="+", default=["bfloat16", "float16"],
+                        choices=[*DTYPES, "cbfloat16"],
+                        help="cbfloat16 has no torch variant: its dlspass step is emulated")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed sample")
     parser.add_argument("--small", action="store_true", help="smoke sizes for every model")
@@ -277,6 +286,9 @@ def main(argv: list[str] | None = None) -> str:
         return out
     variants = ["fp32"]
     for fmt in args.formats:
+        if fmt not in DTYPES:
+            variants.append(f"dlspass-{fmt}")
+            continue
         variants += [f"torch-{fmt}", f"dlspass-{fmt}", *([f"emulate-{fmt}"] if args.emulate else [])]
     results = {m: run_model(m, variants, args) for m in args.models}
     command = "OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "(unset)") + " python " + \
