@@ -32,6 +32,8 @@ from dlspass.presets import (
 PrecisionMode = Literal["emulate", "native"]
 """How 16-bit ops run: ``emulate`` rounds in float32 containers, ``native`` casts to the dtype."""
 PRECISION_MODES: tuple[str, ...] = get_args(PrecisionMode)
+NATIVE_FORMATS: tuple[str, ...] = ("float16", "bfloat16")
+"""The formats with a hardware dtype: ``precision_mode="native"`` casts to them, and is their default."""
 
 
 class ConfigError(InputValueError):
@@ -111,9 +113,12 @@ class DLSConfig:
     ``loss_scale``: ``"dynamic"`` turns DLS on; a number is a static scale (no overflow check,
     no skipped steps); ``None`` or ``1.0`` means no scaling. Every other numeric key left at
     ``None`` takes the default of ``policy`` for ``fp16_type`` (docs/SEMANTICS.md §2).
-    ``precision_mode``: how the lowered ops run, ``"emulate"`` (rounded in float32 containers)
-    or ``"native"`` (cast to the 16-bit dtype). Entry points merge their keyword overrides into
-    a config with `with_overrides`.
+    ``precision_mode``: how the lowered ops run, ``"native"`` (cast to the 16-bit dtype: the
+    kernels autocast would run) or ``"emulate"`` (rounded to the format in float32 containers,
+    to study the numerics); ``None`` (default) is native for float16 and bfloat16, as a user of
+    autocast expects, and emulate for cbfloat16, which has no dtype outside Cerebras hardware
+    (`lowering_mode` is the mode in effect). Entry points merge their keyword overrides into a
+    config with `with_overrides`.
 
     Example:
         >>> cfg = DLSConfig(fp16_type="cbfloat16")
@@ -138,7 +143,7 @@ class DLSConfig:
     consecutive_hysteresis: bool = False
     on_scale_floor: Literal["warn", "raise"] = "warn"
     log_loss_scale: bool = False
-    precision_mode: PrecisionMode = "emulate"
+    precision_mode: PrecisionMode | None = None
     extras: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -146,7 +151,8 @@ class DLSConfig:
         # numbers are checked in float32 terms, since that is how the scaler holds them.
         _choice("fp16_type", self.fp16_type, FP16_TYPES, "format")
         _choice("policy", self.policy, POLICIES, "preset")
-        _choice("precision_mode", self.precision_mode, PRECISION_MODES, "mode")
+        if self.precision_mode is not None:
+            _choice("precision_mode", self.precision_mode, PRECISION_MODES, "mode")
         ls = self.loss_scale
         if isinstance(ls, str):
             if ls != "dynamic":
@@ -176,6 +182,9 @@ class DLSConfig:
         for name in ("mixed_precision", "consecutive_hysteresis", "log_loss_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected a bool, got {excerpt(getattr(self, name))}")
+        if self.precision_mode == "native" and self.mixed_precision and self.fp16_type not in NATIVE_FORMATS:
+            raise ConfigError(f"precision_mode: 'native' needs a hardware dtype ({', '.join(NATIVE_FORMATS)}), "
+                              f"not fp16_type={self.fp16_type!r}; use 'emulate'")
         if not isinstance(self.extras, dict) or not all(isinstance(k, str) for k in self.extras):
             raise ConfigError(f"extras: expected a dict with string keys, got {excerpt(self.extras)}")
         if self.min_scale > self.max_scale:
@@ -225,6 +234,14 @@ class DLSConfig:
         if self.initial_loss_scale is not None:
             return float(self.initial_loss_scale)
         return max(min(self.max_scale, self.defaults.initial_loss_scale), self.min_scale)
+
+    @property
+    def lowering_mode(self) -> PrecisionMode:
+        """The precision mode in effect: ``precision_mode`` as given, else ``"native"`` for
+        float16 and bfloat16 and ``"emulate"`` for cbfloat16."""
+        if self.precision_mode is not None:
+            return self.precision_mode
+        return "native" if self.fp16_type in NATIVE_FORMATS else "emulate"
 
     @property
     def tolerance(self) -> float:

@@ -67,7 +67,7 @@ def default_passes(config: DLSConfig | None) -> list[DLSPass]:
     """The passes ``apply_dls`` runs for ``config``, in order."""
     passes: list[DLSPass] = []
     if config is not None and config.mixed_precision:
-        passes.append(LowerPrecisionPass(config.fp16_type, config.precision_mode))
+        passes.append(LowerPrecisionPass(config.fp16_type, config.lowering_mode))
     if config is not None:
         passes += [ScaleSeedPass(config), UnscaleGradsPass(config), ClipGradNormPass(config),
                    GuardUpdatesPass(config), UpdateScalePass(config)]
@@ -110,7 +110,7 @@ def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
     and unscaling but no check, guard or state update. Each pass that leaves the graph alone
     records why (``skip_reasons``). Applying it again with the same config leaves the graph
     unchanged; a graph rewritten with a different config is a ``PassContractError``, as is a
-    graph without the step roles. The precision mode is ``config.precision_mode``;
+    graph without the step roles. The precision mode is ``config.lowering_mode``;
     ``precision_mode=`` overrides it (``config.with_overrides``, so a bad one is the config's
     ``ConfigError``) and is kept for one release: put it in the config instead.
 
@@ -123,7 +123,7 @@ def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
         # checked by the config, as every entry point's precision mode is
         resolved = (config or DLSConfig()).with_overrides(precision_mode=precision_mode)
         config = resolved if config is not None else None
-    mode = config.precision_mode if config is not None else (precision_mode or "emulate")
+    mode = config.lowering_mode if config is not None else (precision_mode or "emulate")
     want = _config_json(config)
     have = roles.recorded(gm.graph, CONFIG_KEY)
     if have is not None:

@@ -186,7 +186,7 @@ class DLSBackend:
 
     def _lower(self, gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[Any], Callable]:
         if self.config.mixed_precision:
-            LowerPrecisionPass(self.config.fp16_type, self.config.precision_mode)(gm)
+            LowerPrecisionPass(self.config.fp16_type, self.config.lowering_mode)(gm)
         self.graphs.append(gm)
         return example_inputs, lambda compiled: compiled
 

@@ -37,7 +37,7 @@ from torch import Tensor
 from dlspass.capture.export import joint_with_ties
 from dlspass.capture.optim import OptimizerSpec
 from dlspass.capture.program import make_program
-from dlspass.config import DLSConfig
+from dlspass.config import DLSConfig, PrecisionMode
 from dlspass.errors import InputValueError
 from dlspass.files.file_meta import FORMAT_VERSION
 from dlspass.files.quiet import quiet_torch
@@ -287,7 +287,7 @@ def package_step(gm: fx.GraphModule, info: StepInfo) -> tuple[torch.export.Expor
 
 def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | None,
                       config: DLSConfig | None, optimizer: OptimizerSpec, *,
-                      precision_mode: str = "emulate", source: str = "input",
+                      precision_mode: PrecisionMode | None = None, source: str = "input",
                       rounding: str = "aten") -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
     """The DLS training step of the joint (or plain loss) program ``ep`` and its metadata.
 
@@ -296,20 +296,27 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
     ``"op"`` keeps the ``dlspass::round_to_format`` custom op (loading then needs
     ``import dlspass.formats``). A program that is already a dlspass step is returned unchanged
     when ``config``, optimizer, precision mode and rounding are the ones it was built with, and
-    refused otherwise.
+    refused otherwise. ``precision_mode`` overrides the config's (None: the config's
+    `DLSConfig.lowering_mode`; without a config, emulate).
+
+    The metadata records the mode in effect under ``"precision_mode"``, and the config with
+    that mode written out, so a file says what ran whatever a later default is. A config
+    recorded while emulate was the default wrote it out too: an older file reads as emulated.
     """
     from dlspass.capture import step_pipeline
 
     if rounding not in ROUNDINGS:
         raise InputValueError(f"rounding: expected one of {', '.join(ROUNDINGS)}, got {rounding!r}")
-    if config is not None and config.precision_mode != precision_mode:
+    if config is not None and precision_mode is not None and config.precision_mode != precision_mode:
         config = config.with_overrides(precision_mode=precision_mode)
-    wanted = {"config": None if config is None else config.to_dict(),
-              "optimizer": optimizer.to_dict(), "precision_mode": precision_mode,
-              "rounding": rounding}
+    mode = config.lowering_mode if config is not None else (precision_mode or "emulate")
+    wanted = {"config": None if config is None else {**config.to_dict(), "precision_mode": mode},
+              "optimizer": optimizer.to_dict(), "precision_mode": mode, "rounding": rounding}
     if meta is not None and meta.get("kind") == "step":
         # a step whose metadata names no rounding calls the custom op
         have = {k: meta.get(k, "op" if k == "rounding" else None) for k in wanted}
+        if isinstance(have["config"], dict):  # its mode is the one the file records as run
+            have["config"] = {**have["config"], "precision_mode": have["precision_mode"]}
         if json.dumps(have, sort_keys=True) == json.dumps(wanted, sort_keys=True):
             return ep, meta
         raise InputValueError(f"{source}: already a dlspass training step built with "

@@ -223,8 +223,9 @@ def transform(
         "--mixed-precision/--no-mixed-precision",
         help="Run matmuls in the 16-bit format (default) or keep fp32 (DLS only).")] = None,
     precision_mode: Annotated[str | None, typer.Option(
-        help="emulate (default): round in an fp32 container; native: real float16/bfloat16 "
-             "casts.")] = None,
+        help="native (default for float16 and bfloat16): real 16-bit kernels, as autocast; "
+             "emulate (default for cbfloat16 and for ONNX output): round to the format in fp32 "
+             "containers.")] = None,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 0.01,
     momentum: Annotated[float, typer.Option(help="SGD momentum.")] = 0.0,
@@ -290,6 +291,12 @@ def transform(
         if key is None:
             raise
         raise typer.BadParameter(str(e), param_hint=flag_of[key]) from None
+    if fmt == "onnx":
+        # dlspass's ONNX lowering rounds in float32 containers (LowerPrecisionOnnxPass)
+        if cfg.precision_mode == "native" and cfg.mixed_precision:
+            raise typer.BadParameter("ONNX output is emulated; use --precision-mode emulate or "
+                                     "write a .pt2", param_hint="--precision-mode")
+        cfg = cfg.with_overrides(precision_mode="emulate")
     if src.suffix == ".onnx":
         from dlspass.onnx.convert import transform_onnx
 
@@ -300,8 +307,8 @@ def transform(
         return
     ep, meta = load_program(src)
     # ONNX output keeps the op here: save_step_onnx writes it in its float-arithmetic form
-    step, step_meta = transform_program(ep, meta, cfg, opt, precision_mode=cfg.precision_mode,
-                                        source=str(src), rounding="op" if fmt == "onnx" else rounding)
+    step, step_meta = transform_program(ep, meta, cfg, opt, source=str(src),
+                                        rounding="op" if fmt == "onnx" else rounding)
     if fmt == "onnx":
         from dlspass.onnx.convert import save_step_onnx
 
