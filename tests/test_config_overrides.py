@@ -181,3 +181,37 @@ def test_capture_errors_are_one_class() -> None:
     assert dlspass.CaptureError is dlspass.CompileError is dlspass.StepCaptureError
     assert issubclass(dlspass.StepCaptureError, dlspass.DLSInputError)
     assert issubclass(dlspass.StepCaptureError, RuntimeError)
+
+
+def test_a_step_file_records_the_mode_that_ran_and_an_older_emulated_file_stays_emulated(tmp_path) -> None:
+    from dlspass.capture.joint_step import transform_program
+    from dlspass.capture.optim import OptimizerSpec
+    from dlspass.capture.pt2_io import load_program
+    from dlspass.errors import InputValueError
+
+    modes = {}
+    for fmt, flags in {"float16": [], "cbfloat16": [], "float16-emulate": ["--precision-mode", "emulate"]}.items():
+        out = tmp_path / f"{fmt}.pt2"
+        assert cf.cli("transform", cf.joint_file("mlp"), "-o", out, "--fp16-type",
+                      fmt.removesuffix("-emulate"), *flags) == 0
+        _, meta = load_program(out)
+        modes[fmt] = (meta["precision_mode"], meta["config"]["precision_mode"])
+    assert modes == {"float16": ("native", "native"), "cbfloat16": ("emulate", "emulate"),
+                     "float16-emulate": ("emulate", "emulate")}
+    # a step written before the config had the field: its recorded mode says what ran
+    ep, meta = load_program(tmp_path / "float16-emulate.pt2")
+    old = {**meta, "config": {k: v for k, v in meta["config"].items() if k != "precision_mode"}}
+    opt = OptimizerSpec(**{k: tuple(v) if k == "betas" else v for k, v in meta["optimizer"].items()})
+    assert transform_program(ep, old, DLSConfig(precision_mode="emulate"), opt)[1] is old
+    with pytest.raises(InputValueError, match='already a dlspass training step built with .*"emulate"'):
+        transform_program(ep, old, DLSConfig(), opt)  # float16's default is native now
+
+
+def test_onnx_output_is_emulated(tmp_path) -> None:
+    from dlspass.onnx.files import load_onnx, onnx_meta
+
+    out = tmp_path / "step.onnx"
+    assert cf.cli("transform", cf.joint_file("mlp"), "-o", out) == 0
+    assert onnx_meta(load_onnx(out))["precision_mode"] == "emulate"
+    assert cf.cli("transform", cf.joint_file("mlp"), "-o", tmp_path / "n.onnx",
+                  "--precision-mode", "native") == 2

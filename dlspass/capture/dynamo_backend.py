@@ -1,11 +1,13 @@
 """The ``dlspass`` torch.compile backend: 16-bit lowering of forward and backward graphs.
 
 ``torch.compile(model, backend="dlspass", options={"fp16_type": "cbfloat16"})`` (registered
-through the ``torch_dynamo_backends`` entry point) runs AOTAutograd without decompositions and,
-in the forward and the backward graph, rounds the inputs and outputs of every matmul-like op
-to the 16-bit format with ``dlspass::round_to_format`` (``dlspass.passes.LowerPrecisionPass``,
-the same pass ``apply_dls`` runs); the rounding is then decomposed into fusable int32 bit ops
-(``DecomposeForInductorPass``) and the graph goes to inductor. Loss scaling stays in the eager
+through the ``torch_dynamo_backends`` entry point) runs AOTAutograd without decompositions and
+lowers the forward and the backward graph, each on its own, with
+``dlspass.passes.LowerPrecisionPass`` (the same pass ``apply_dls`` runs) in the config's
+precision mode: native 16-bit kernels (float16, bfloat16 by default; each graph's outputs keep
+their traced dtypes, so what the forward saves for the backward crosses in float32), or the
+emulated format, rounded with ``dlspass::round_to_format`` and then decomposed into fusable
+int32 bit ops (``DecomposeForInductorPass``); the graph goes to inductor. Loss scaling stays in the eager
 ``dlspass.GradScaler``. The backend is a `DLSBackend` object, which keeps the graphs it rewrote.
 
 ``make_backend(scaler=...)`` returns a backend that also scales the backward seed
