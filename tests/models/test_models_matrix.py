@@ -30,6 +30,13 @@ FAST = {
     harness.cell_id("graph_break", "cli", "fp32"),
     harness.cell_id("graph_break", "make_backend", "fp32"),
     harness.cell_id("gpt2", "capture_step", "cbfloat16"),
+    # native 16-bit kernels against torch.autocast + torch.amp.GradScaler, one cell per entry
+    # point and format (the whole native matrix is slow: tools/compat/run_models.py)
+    harness.cell_id("mhagpt", "capture_step", "float16-native"),
+    harness.cell_id("mhagpt", "capture_step", "bfloat16-native"),
+    harness.cell_id("graph_break", "make_backend", "float16-native"),
+    harness.cell_id("graph_break", "backend=dlspass", "bfloat16-native"),
+    harness.cell_id("resnet", "capture_step", "float16-native"),
     # gpt2 cli fp32 is slow here: tests/test_cli_outside_models.py trains the same CLI path in
     # the default suite.
 }

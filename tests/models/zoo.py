@@ -8,7 +8,8 @@ same captured or compiled step serves both without retracing.
 
 The transformers models are built from their own config classes (transformers 5.23.0, the
 `test` extra): GPT-2 as shipped (``loss_type`` left at its default), BERT, T5, ViT, ResNet
-(BatchNorm) and ConvNeXt (LayerNorm). timm is not used: timm 1.0.31 imports torchvision at
+(BatchNorm) and ConvNeXt (LayerNorm); ``mhagpt`` is a GPT on ``nn.MultiheadAttention``
+(``dlspass.models.MHAGPT``). timm is not used: timm 1.0.31 imports torchvision at
 import time (``timm/layers/create_norm.py``), and the torchvision wheel on PyPI does not import
 beside torch 2.13.0+cpu.
 
@@ -141,6 +142,23 @@ def convnext() -> Case:
     return Case(ConvNextForImageClassification(cfg).train(), (*_images(7, CONV_IMAGE), _mult()), _image_loss)
 
 
+def mhagpt() -> Case:
+    """``dlspass.models.MHAGPT``: a GPT as users write it with ``nn.MultiheadAttention``."""
+    import torch.nn.functional as F
+
+    from dlspass.models import MHAGPT
+
+    torch.manual_seed(0)
+    ids = _tokens(9, SEQ + 1)
+
+    def loss_fn(m: nn.Module, b: Batch) -> Tensor:
+        logits = m(b[0])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), b[1].reshape(-1)) * b[-1]
+
+    model = MHAGPT(vocab=VOCAB, d=32, n_layer=1, n_head=2, block_size=SEQ)
+    return Case(model.train(), (ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), _mult()), loss_fn)
+
+
 class GraphBreakNet(nn.Module):
     """Two losses on either side of a dynamo graph break (two compiled graphs per step).
 
@@ -173,7 +191,7 @@ def graph_break() -> Case:
 
 MODELS: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2, "bert": bert, "t5": t5, "vit": vit, "resnet": resnet, "convnext": convnext,
-    "graph_break": graph_break,
+    "mhagpt": mhagpt, "graph_break": graph_break,
 }
 
 

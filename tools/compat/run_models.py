@@ -9,7 +9,8 @@ from that file.
     OMP_NUM_THREADS=1 .venv/bin/python tools/compat/run_models.py --timeout 600 \
         --results tools/compat/results.jsonl
 
-Cells run fp32 first, then cbfloat16, float16 and bfloat16, each from the smallest model and
+Cells run fp32 first, then cbfloat16, float16 and bfloat16 (emulated), then float16 and bfloat16
+native (``--only native`` runs only those), each from the smallest model and
 the cheapest entry point up, accumulation last, so that a time box (``--time-box``) cuts the
 slowest and least informative ones; those are listed as "not run".
 """
@@ -40,7 +41,8 @@ MARK = "@@cell@@ "
 # cheapest first: compile cost grows with the model and the entry point's graphs
 ENTRY_COST = {"GradScaler": 0, "TorchGradScaler": 0, "capture_step": 1, "cli": 2,
               "dlspass.compile": 3, "make_backend": 4, "backend=dlspass": 5}
-MODEL_COST = {"graph_break": 0, "resnet": 1, "convnext": 2, "vit": 3, "bert": 4, "gpt2": 5, "t5": 6}
+MODEL_COST = {"graph_break": 0, "mhagpt": 1, "resnet": 2, "convnext": 3, "vit": 4, "bert": 5, "gpt2": 6,
+              "t5": 7}
 
 
 def run_one(model: str, entry: str, fmt: str, accumulate: bool) -> None:
@@ -86,7 +88,8 @@ def spawn(cell: tuple[str, str, str, bool], timeout: float) -> dict:
 def ordered_cells() -> list[tuple[str, str, str, bool]]:
     """By format (fp32, then cbfloat16, float16, bfloat16), then model size, then entry-point
     cost, accumulation last: a time box cuts the slowest and least informative cells."""
-    fmt_cost = {"fp32": 0, "cbfloat16": 1, "float16": 2, "bfloat16": 3}
+    fmt_cost = {"fp32": 0, "cbfloat16": 1, "float16": 2, "bfloat16": 3, "float16-native": 4,
+                "bfloat16-native": 5}
     return sorted(harness.cells(), key=lambda c: (
         c[3], fmt_cost[c[2]], MODEL_COST[c[0]], ENTRY_COST[c[1]]))
 
@@ -156,11 +159,21 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
         "import beside torch 2.13.0+cpu.",
         "",
         "Formats: `fp32` is DLS without lowering (`mixed_precision=False`); `float16`, "
-        "`bfloat16`, `cbfloat16` round every matmul-like op's inputs and outputs to the format. "
+        "`bfloat16`, `cbfloat16` round every matmul-like op's inputs and outputs to the format "
+        "(`precision_mode=\"emulate\"`). "
         "The eager scalers run the model as written (no lowering), so only their fp32 column "
         "applies. bfloat16 turns loss scaling off by design (scale 1, nothing checked, as "
         "cstorch), so bfloat16 cells inject no overflow: **with bfloat16 an inf in the loss "
         "reaches the weights in every entry point, the eager scaler included.**",
+        "",
+        "**Native columns** (`float16 native`, `bfloat16 native`): the same model trained with "
+        "real 16-bit kernels (`precision_mode=\"native\"`, the default for float16 and bfloat16; "
+        "the torch policy) and compared with torch's own recipe on the same model and data, "
+        "`torch.autocast` + `torch.amp.GradScaler` (float16; bfloat16 needs no scaler): the same "
+        "skipped steps and scale after every step, no non-finite weight, and the update within "
+        + ", ".join(f"{k} {v}" for k, v in harness.NATIVE_TOLERANCE.items())
+        + " of autocast's (`harness.NATIVE_TOLERANCE`: autocast on CPU runs layer norm, softmax "
+        "and the losses in 16 bits, dlspass keeps them in float32 as CUDA's autocast does).",
         "",
         "Compiled entry points (`dlspass.compile`, `backend=dlspass`, `make_backend`) are "
         "meant to run with inductor; \"eager:\" after a cell is the same cell with "
@@ -179,7 +192,7 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
         "",
     ]
     for accumulate in (False, True):
-        fmts = ("fp32",) if accumulate else harness.FORMATS
+        fmts = ("fp32",) if accumulate else (*harness.FORMATS, *harness.NATIVE_FORMATS)
         lines.append("## Gradient accumulation (two backward calls per step, inf in the first)"
                      if accumulate else "## One backward per step")
         lines.append("")
@@ -188,7 +201,7 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
                          "step (accumulate by summing micro-batch losses in the loss function); "
                          "they are not in this table.")
             lines.append("")
-        lines.append("| model | entry point | " + " | ".join(fmts) + " |")
+        lines.append("| model | entry point | " + " | ".join(f.replace("-", " ") for f in fmts) + " |")
         lines.append("|---|---|" + "---|" * len(fmts))
         for model in harness.zoo.MODELS:
             for entry in harness.ENTRY_POINTS:
@@ -196,7 +209,8 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
                     continue
                 row = []
                 for fmt in fmts:
-                    if entry in harness.EAGER and fmt != "fp32":
+                    if (entry in harness.EAGER and fmt != "fp32") or (
+                            fmt in harness.NATIVE_FORMATS and entry not in harness.NATIVE_ENTRY_POINTS):
                         row.append("—")
                         continue
                     key = harness.cell_id(model, entry, fmt, accumulate)
