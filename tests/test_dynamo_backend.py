@@ -31,11 +31,12 @@ def test_backend_is_registered_by_name():
     assert "dlspass" in torch._dynamo.list_backends()
 
 
-def test_forward_and_backward_lowered_to_float16():
+@pytest.mark.parametrize("mode", ["emulate", "native"])
+def test_forward_and_backward_lowered_to_float16(mode):
     torch._dynamo.reset()
     model, x = _linear()
-    cmodel = torch.compile(model, backend="dlspass",
-                           options={"fp16_type": "float16", "backend_compiler": "eager"})
+    cmodel = torch.compile(model, backend="dlspass", options={
+        "fp16_type": "float16", "precision_mode": mode, "backend_compiler": "eager"})
     out = cmodel(x)
     w, b = model.weight, model.bias
     # float16 inputs, float32 accumulation, float16 output: computed independently here
@@ -50,7 +51,7 @@ def test_forward_and_backward_lowered_to_float16():
 
     # the same backend as a make_backend object, which keeps the graphs it rewrote
     torch._dynamo.reset()
-    backend = dlspass.make_backend(fp16_type="float16", backend_compiler="eager")
+    backend = dlspass.make_backend(fp16_type="float16", precision_mode=mode, backend_compiler="eager")
     grad_w = w.grad.clone()
     model.zero_grad()
     out2 = torch.compile(model, backend=backend)(x)
@@ -60,6 +61,11 @@ def test_forward_and_backward_lowered_to_float16():
     fw, bw = backend.graphs
     for gm in (fw, bw):
         rounds = [n for n in gm.graph.nodes if n.target is ROUND]
+        if mode == "native":  # real float16 kernels, no rounding op
+            mm = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default,
+                                                             torch.ops.aten.addmm.default)]
+            assert mm and not rounds and all(n.meta["val"].dtype == torch.float16 for n in mm)
+            continue
         assert rounds and all(n.args[1] == "float16" for n in rounds)
         assert all(roles.role_of(n) == roles.CAST for n in rounds)
 
