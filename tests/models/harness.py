@@ -84,9 +84,11 @@ TOLERANCE = {"fp32": 1e-3, "float16": 0.04, "cbfloat16": 0.15, "bfloat16": 0.25}
 # Native cells against torch.autocast: both run 16-bit kernels, but autocast on CPU keeps fewer
 # ops in float32 than dlspass's list (which is CUDA's: layer norm, softmax and the losses stay
 # float32 in dlspass, run in 16 bits under CPU autocast) and rounds at other places, so the
-# updates differ by the format's round-off amplified as above (measured: see
-# tools/compat/results.jsonl); one lost step is still above every bound.
-NATIVE_TOLERANCE = {"float16-native": 0.04, "bfloat16-native": 0.25}
+# updates differ by the format's round-off amplified as above: measured up to 0.036 (float16,
+# ViT) and 0.15 (bfloat16, ResNet's BatchNorm) on the models of `zoo`
+# (tools/compat/results.jsonl). float16's bound is about twice that and still below one lost
+# step; bfloat16's is the emulated column's (`test_tolerances_catch_lost_steps`).
+NATIVE_TOLERANCE = {"float16-native": 0.07, "bfloat16-native": 0.25}
 
 # The cerebras policy's scale after each of the 10 steps, worked by hand from cstorch's rule
 # (the scale doubles when more than steps_per_increase = 3 steps passed since the last change,
