@@ -8,11 +8,30 @@ from dataclasses import dataclass, field
 
 import torch
 
+import dlspass
+from dlspass.integrations import SkipVisibleGradScaler
+
 STEPS = 8
 OVERFLOW_STEP = 2  # 0-based: the third step's loss is multiplied by inf
 INIT_SCALE = 2.0**10
 GROWTH_INTERVAL = 2
 LR = 0.05
+HALF = STEPS // 2  # where the resumed runs save and resume
+MAX_NORM = 0.5
+
+
+def torch_amp_scaler() -> torch.amp.GradScaler:
+    """The reference: torch.amp's scaler with the runs' scale settings."""
+    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+
+
+def torch_grad_scaler() -> dlspass.TorchGradScaler:
+    return dlspass.TorchGradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+
+
+def skip_visible_scaler() -> SkipVisibleGradScaler:
+    return SkipVisibleGradScaler(init_scale=INIT_SCALE, steps_per_increase=GROWTH_INTERVAL,
+                                 policy="torch")
 
 
 @functools.cache

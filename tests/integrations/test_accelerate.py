@@ -9,8 +9,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from framework_runs import (
-    GROWTH_INTERVAL,
-    INIT_SCALE,
+    HALF,
+    MAX_NORM,
     OVERFLOW_STEP,
     STEPS,
     Record,
@@ -18,29 +18,15 @@ from framework_runs import (
     batches,
     flat_params,
     make_model,
+    skip_visible_scaler,
+    torch_amp_scaler,
+    torch_grad_scaler,
 )
 
 import dlspass
-from dlspass.integrations import SkipVisibleGradScaler, attach_scaler
+from dlspass.integrations import attach_scaler
 
-HALF = STEPS // 2
-MAX_NORM = 0.5
-
-
-def _torch_amp():
-    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
-
-
-def _torch_grad_scaler():
-    return dlspass.TorchGradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
-
-
-def _skip_visible():
-    return SkipVisibleGradScaler(init_scale=INIT_SCALE, steps_per_increase=GROWTH_INTERVAL,
-                                 policy="torch")
-
-
-SCALERS = {"TorchGradScaler": _torch_grad_scaler, "SkipVisibleGradScaler": _skip_visible}
+SCALERS = {"TorchGradScaler": torch_grad_scaler, "SkipVisibleGradScaler": skip_visible_scaler}
 
 
 @pytest.fixture(autouse=True)
@@ -91,8 +77,8 @@ def _run(make_scaler, ckpt) -> tuple[Record, Record, list]:
 
 
 @pytest.mark.parametrize("make", SCALERS.values(), ids=SCALERS.keys())
-def test_accelerate_recipe_matches_torch_amp(make, tmp_path):
-    ref, ref_resumed, ref_norms = _run(_torch_amp, tmp_path / "torch")
+def test_accelerate_recipe_matchestorch_amp_scaler(make, tmp_path):
+    ref, ref_resumed, ref_norms = _run(torch_amp_scaler, tmp_path / "torch")
     got, got_resumed, norms = _run(make, tmp_path / "dlspass")
     assert ref.skipped == 1  # the overflow was seen, and the LR held on it
     assert ref.lrs[OVERFLOW_STEP] == ref.lrs[OVERFLOW_STEP - 1]
@@ -117,10 +103,10 @@ def test_attach_after_prepare_and_without_fp16_are_refused():
     model, opt = make_model()
     acc.prepare(model, opt)
     with pytest.raises(ValueError, match="before accelerator.prepare"):
-        attach_scaler(acc, _torch_grad_scaler())
+        attach_scaler(acc, torch_grad_scaler())
     AcceleratorState._reset_state(reset_partial_state=True)
     with pytest.raises(ValueError, match="mixed_precision"):
-        attach_scaler(Accelerator(cpu=True), _torch_grad_scaler())
+        attach_scaler(Accelerator(cpu=True), torch_grad_scaler())
 
 
 def test_on_cpu_fp16_has_no_scaler_and_no_autocast_without_the_recipe():

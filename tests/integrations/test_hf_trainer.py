@@ -8,8 +8,7 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 from framework_runs import (
-    GROWTH_INTERVAL,
-    INIT_SCALE,
+    HALF,
     LR,
     OVERFLOW_STEP,
     STEPS,
@@ -18,13 +17,13 @@ from framework_runs import (
     assert_same_run,
     batches,
     flat_params,
+    skip_visible_scaler,
+    torch_amp_scaler,
+    torch_grad_scaler,
 )
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-import dlspass
-from dlspass.integrations import SkipVisibleGradScaler, attach_scaler
-
-HALF = STEPS // 2
+from dlspass.integrations import attach_scaler
 
 
 class _LossNet(torch.nn.Module):
@@ -90,20 +89,10 @@ def _trainer(make_scaler, out, max_steps: int) -> tuple[Trainer, _Recorder]:
     return trainer, recorder
 
 
-def _torch_amp():
-    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
 
 
-def _torch_grad_scaler():
-    return dlspass.TorchGradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
 
-
-def _skip_visible():
-    return SkipVisibleGradScaler(init_scale=INIT_SCALE, steps_per_increase=GROWTH_INTERVAL,
-                                 policy="torch")
-
-
-SCALERS = {"TorchGradScaler": _torch_grad_scaler, "SkipVisibleGradScaler": _skip_visible}
+SCALERS = {"TorchGradScaler": torch_grad_scaler, "SkipVisibleGradScaler": skip_visible_scaler}
 
 
 @pytest.fixture(autouse=True)
@@ -122,8 +111,8 @@ def _run(make_scaler, out) -> tuple[Record, Record]:
 
 
 @pytest.mark.parametrize("make", SCALERS.values(), ids=SCALERS.keys())
-def test_trainer_recipe_matches_torch_amp(make, tmp_path):
-    ref, ref_resumed = _run(_torch_amp, tmp_path / "torch")
+def test_trainer_recipe_matchestorch_amp_scaler(make, tmp_path):
+    ref, ref_resumed = _run(torch_amp_scaler, tmp_path / "torch")
     got, got_resumed = _run(make, tmp_path / "dlspass")
     assert ref.skipped == 1 and len(ref.params) == STEPS
     assert ref.lrs[OVERFLOW_STEP] == ref.lrs[OVERFLOW_STEP - 1]  # the LR held on the skip

@@ -12,7 +12,9 @@ import pytest
 import torch
 from framework_runs import (
     GROWTH_INTERVAL,
+    HALF,
     INIT_SCALE,
+    MAX_NORM,
     OVERFLOW_STEP,
     STEPS,
     Record,
@@ -20,23 +22,14 @@ from framework_runs import (
     batches,
     flat_params,
     make_model,
+    torch_amp_scaler,
+    torch_grad_scaler,
 )
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import dlspass
 from dlspass.config import DLSConfig
-
-HALF = STEPS // 2
-MAX_NORM = 0.5
-
-
-def _torch_amp():
-    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
-
-
-def _torch_grad_scaler():
-    return dlspass.TorchGradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
 
 
 def _grad_scaler():
@@ -46,7 +39,7 @@ def _grad_scaler():
                                                steps_per_increase=GROWTH_INTERVAL))
 
 
-SCALERS = {"TorchGradScaler": _torch_grad_scaler, "GradScaler-policy-torch": _grad_scaler}
+SCALERS = {"TorchGradScaler": torch_grad_scaler, "GradScaler-policy-torch": _grad_scaler}
 
 
 def _lr_lambda(step: int) -> float:
@@ -107,10 +100,10 @@ def _trainer_run(make_scaler, tmp) -> tuple[Record, Record]:
 
 
 @pytest.mark.parametrize("make", SCALERS.values(), ids=SCALERS.keys())
-def test_lightning_trainer_recipe_matches_torch_amp(make, tmp_path):
+def test_lightning_trainer_recipe_matchestorch_amp_scaler(make, tmp_path):
     (tmp_path / "t").mkdir()
     (tmp_path / "d").mkdir()
-    ref, ref_resumed = _trainer_run(_torch_amp, tmp_path / "t")
+    ref, ref_resumed = _trainer_run(torch_amp_scaler, tmp_path / "t")
     got, got_resumed = _trainer_run(make, tmp_path / "d")
     assert len(ref.params) == STEPS
     assert torch.equal(ref.params[OVERFLOW_STEP], ref.params[OVERFLOW_STEP - 1])  # skipped
@@ -128,7 +121,7 @@ def test_lightning_16_mixed_on_cpu_is_bf16_without_the_plugin():
         plain = L.Trainer(accelerator="cpu", precision="16-mixed", logger=False)
     assert plain.precision_plugin.precision == "bf16-mixed"
     assert getattr(plain.precision_plugin, "scaler", None) is None
-    scaler = _torch_grad_scaler()
+    scaler = torch_grad_scaler()
     given = L.Trainer(accelerator="cpu", logger=False,
                       plugins=[MixedPrecision(precision="16-mixed", device="cpu", scaler=scaler)])
     assert given.precision_plugin.precision == "16-mixed"
@@ -177,10 +170,10 @@ def _fabric_run(make_scaler, tmp) -> tuple[Record, Record]:
 
 
 @pytest.mark.parametrize("make", SCALERS.values(), ids=SCALERS.keys())
-def test_fabric_recipe_matches_torch_amp(make, tmp_path):
+def test_fabric_recipe_matchestorch_amp_scaler(make, tmp_path):
     (tmp_path / "t").mkdir()
     (tmp_path / "d").mkdir()
-    ref, ref_resumed = _fabric_run(_torch_amp, tmp_path / "t")
+    ref, ref_resumed = _fabric_run(torch_amp_scaler, tmp_path / "t")
     got, got_resumed = _fabric_run(make, tmp_path / "d")
     assert torch.equal(ref.params[OVERFLOW_STEP], ref.params[OVERFLOW_STEP - 1])  # skipped
     assert_same_run(got, ref)
@@ -190,7 +183,7 @@ def test_fabric_recipe_matches_torch_amp(make, tmp_path):
 
 
 def test_fabric_saves_no_scaler_unless_it_is_in_the_state(tmp_path):
-    fabric, scaler, model, opt, _ = _fabric(_torch_grad_scaler)
+    fabric, scaler, model, opt, _ = _fabric(torch_grad_scaler)
     fabric.save(tmp_path / "a.ckpt", {"model": model, "optimizer": opt})
     saved = torch.load(tmp_path / "a.ckpt", weights_only=False)
     assert set(saved) == {"model", "optimizer"}
