@@ -9,20 +9,24 @@ from torch import Tensor, nn
 
 
 def torch_best_practice_step(model: nn.Module, loss_of: Callable[..., Tensor],
-                             optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                             **opt_kwargs: object) -> Callable[..., Tensor]:
+                             optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
+                             device: str = "cpu", autocast_dtype: torch.dtype | None = None,
+                             scale: bool = True, **opt_kwargs: object) -> Callable[..., Tensor]:
     """``step(*batch)``: ``torch.compile(model)`` (inductor), a fused ``optimizer`` and
     ``torch.amp.GradScaler`` (scale, unscale, inf check and skip, run eagerly), float32.
 
     ``loss_of(compiled_model, *batch)`` is the loss the backward starts from; the step returns
-    it detached.
+    it detached. ``autocast_dtype`` runs the forward under ``torch.autocast`` (torch's
+    mixed-precision recipe); ``scale=False`` drops the GradScaler (bfloat16 needs none).
     """
     cmodel = torch.compile(model)
     opt = optimizer(model.parameters(), fused=True, **opt_kwargs)
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = torch.amp.GradScaler(device, enabled=scale)
 
     def step(*batch: Tensor) -> Tensor:
-        loss = loss_of(cmodel, *batch)
+        with torch.autocast(device, dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):
+            loss = loss_of(cmodel, *batch)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from baselines import torch_best_practice_step  # this folder: the script's sys.path[0]
 from torch import Tensor, nn
 
 import dlspass
@@ -121,20 +122,9 @@ MODELS = {"gpt": _gpt, "gpt2": _gpt2, "resnet18": _resnet18}
 def _torch_step(model: nn.Module, loss_of: Callable[..., Tensor], device: str,
                 fmt: str | None) -> Callable[..., Tensor]:
     """torch's best practice: compiled model, fused AdamW, autocast (and GradScaler for float16)."""
-    cmodel = torch.compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    scaler = torch.amp.GradScaler(device, enabled=fmt == "float16")
-
-    def step(*batch: Tensor) -> Tensor:
-        with torch.autocast(device, dtype=DTYPES[fmt] if fmt else torch.float32, enabled=fmt is not None):
-            loss = loss_of(cmodel, *batch)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return torch_best_practice_step(model, loss_of, lr=1e-4, device=device,
+                                    autocast_dtype=DTYPES[fmt] if fmt else None,
+                                    scale=fmt == "float16")
 
 
 def _dlspass_step(model: nn.Module, loss_of: Callable[..., Tensor], fmt: str,
