@@ -17,8 +17,13 @@ Models (``--models``): ``gpt`` (``dlspass.models.MHAGPT``: d 384, 4 layers of
 
 Reported per model and variant: the steady step (median over ``--repeats`` interleaved samples of
 ``--steps`` steps each, every variant built in this one process), the first call (compile
-included) and the peak memory, measured in a fresh process per variant (``ru_maxrss``; on CUDA
-also ``torch.cuda.max_memory_allocated``).
+included) and the step's peak memory above what was resident when it started (the activations
+saved for the backward and the temporaries; median of three steady steps): on CUDA
+``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, on Linux CPUs the
+process's resident high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) over its
+resident size after ``malloc_trim``, with glibc's mmap threshold fixed at 1 MiB so that large
+tensors go back to the system when freed. Parameters and optimizer state, resident before the
+step, are not in it (every variant keeps float32 master weights and AdamW state alike).
 
 Prints a markdown table (and writes it to ``--out``) headed by the command and the machine.
 The measurement (all three models, bfloat16 and float16), on a quiet machine (one process,
@@ -29,20 +34,21 @@ nothing else running; about 15 minutes on 2 CPU cores):
 and the cbfloat16 goal (emulated step against fp32 compiled):
 ``... bench_native.py --formats cbfloat16``. On CUDA: ``tools/bench/gpu_check.sh``. A smoke
 run (``--small``: tiny models, seconds of steady time, compile dominated; the numbers mean
-nothing): ``... bench_native.py --small --models gpt --repeats 1 --steps 1 --no-memory``.
+nothing): ``... bench_native.py --small --models gpt --repeats 1 --steps 1``. ``--large`` (for
+GPUs): the GPT at d 1024, 8 layers, 16 heads, vocab 8192, batch 16x512; GPT-2 at d 768, 6 layers,
+12 heads, vocab 8192, batch 16x512; ResNet-18 on batch 64 of 3x128x128.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import ctypes
 import os
 import platform
-import resource
 import statistics
-import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,6 +62,7 @@ import dlspass
 from dlspass.models import MHAGPT
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+SIZES = ("small", "default", "large")
 Batch = tuple[Tensor, ...]
 
 
@@ -67,8 +74,10 @@ def _tokens(batch: int, seq: int, vocab: int, device: str) -> Batch:
     return idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device)
 
 
-def _gpt(small: bool, device: str) -> tuple[nn.Module, Callable[..., Tensor], Batch]:
-    d, layers, heads, vocab, batch, seq = (64, 2, 4, 128, 4, 32) if small else (384, 4, 6, 1024, 16, 128)
+def _gpt(size: str, device: str) -> tuple[nn.Module, Callable[..., Tensor], Batch]:
+    d, layers, heads, vocab, batch, seq = {"small": (64, 2, 4, 128, 4, 32),
+                                           "default": (384, 4, 6, 1024, 16, 128),
+                                           "large": (1024, 8, 16, 8192, 16, 512)}[size]
     model = MHAGPT(vocab=vocab, d=d, n_layer=layers, n_head=heads, block_size=seq)
 
     def loss_of(m: nn.Module, idx: Tensor, targets: Tensor) -> Tensor:
@@ -78,10 +87,12 @@ def _gpt(small: bool, device: str) -> tuple[nn.Module, Callable[..., Tensor], Ba
     return model, loss_of, _tokens(batch, seq, vocab, device)
 
 
-def _gpt2(small: bool, device: str) -> tuple[nn.Module, Callable[..., Tensor], Batch]:
+def _gpt2(size: str, device: str) -> tuple[nn.Module, Callable[..., Tensor], Batch]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    d, layers, heads, vocab, batch, seq = (64, 2, 2, 128, 4, 32) if small else (256, 4, 4, 1024, 16, 128)
+    d, layers, heads, vocab, batch, seq = {"small": (64, 2, 2, 128, 4, 32),
+                                           "default": (256, 4, 4, 1024, 16, 128),
+                                           "large": (768, 6, 12, 8192, 16, 512)}[size]
     cfg = GPT2Config(n_layer=layers, n_embd=d, n_head=heads, vocab_size=vocab, n_positions=seq,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(cfg)
@@ -92,20 +103,20 @@ def _gpt2(small: bool, device: str) -> tuple[nn.Module, Callable[..., Tensor], B
     return model, loss_of, _tokens(batch, seq, vocab, device)
 
 
-def _resnet18(small: bool, device: str) -> tuple[nn.Module, Callable[..., Tensor], Batch]:
+def _resnet18(size: str, device: str) -> tuple[nn.Module, Callable[..., Tensor], Batch]:
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    if small:
+    if size == "small":
         cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
                            num_labels=10)
-        batch, size = 4, 32
+        batch, pixels = 4, 32
     else:
         cfg = ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2],
                            layer_type="basic", num_labels=10)
-        batch, size = 16, 64
+        batch, pixels = (64, 128) if size == "large" else (16, 64)
     model = ResNetForImageClassification(cfg)
     g = torch.Generator().manual_seed(0)
-    images = torch.randn(batch, 3, size, size, generator=g).to(device)
+    images = torch.randn(batch, 3, pixels, pixels, generator=g).to(device)
     labels = torch.randint(0, 10, (batch,), generator=g).to(device)
 
     def loss_of(m: nn.Module, x: Tensor, y: Tensor) -> Tensor:
@@ -127,12 +138,12 @@ def _torch_step(model: nn.Module, loss_of: Callable[..., Tensor], device: str,
                                     scale=fmt == "float16")
 
 
-def _dlspass_step(model: nn.Module, loss_of: Callable[..., Tensor], fmt: str,
+def _dlspass_step(model: nn.Module, loss_of: Callable[..., Tensor], fmt: str, device: str,
                   mode: str | None) -> Callable[..., Tensor]:
     """``dlspass.compile`` of the whole step with a dynamic scaler; ``mode`` None: the config's
     default precision mode (native for float16 and bfloat16, emulate for cbfloat16)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = dlspass.GradScaler(config=dlspass.DLSConfig(fp16_type=fmt))
+    scaler = dlspass.GradScaler(config=dlspass.DLSConfig(fp16_type=fmt), device=device)
 
     def train_step(*batch: Tensor) -> Tensor:
         loss = loss_of(model, *batch)
@@ -144,17 +155,17 @@ def _dlspass_step(model: nn.Module, loss_of: Callable[..., Tensor], fmt: str,
     return dlspass.compile(train_step, optimizer=opt, scaler=scaler, precision_mode=mode)
 
 
-def build(model_name: str, variant: str, device: str, small: bool) -> tuple[Callable[..., Tensor], Batch]:
+def build(model_name: str, variant: str, device: str, size: str) -> tuple[Callable[..., Tensor], Batch]:
     """The step of ``variant`` on a fresh ``model_name`` (same seed for every variant)."""
     torch.manual_seed(0)
-    model, loss_of, batch = MODELS[model_name](small, device)
+    model, loss_of, batch = MODELS[model_name](size, device)
     model.to(device).train()
     kind, _, fmt = variant.partition("-")
     if kind == "fp32":
         return _torch_step(model, loss_of, device, None), batch
     if kind == "torch":
         return _torch_step(model, loss_of, device, fmt), batch
-    return _dlspass_step(model, loss_of, fmt, None if kind == "dlspass" else "emulate"), batch
+    return _dlspass_step(model, loss_of, fmt, device, None if kind == "dlspass" else "emulate"), batch
 
 
 def _sync(device: str) -> None:
@@ -171,28 +182,41 @@ def _timed(step: Callable[..., Tensor], batch: Batch, steps: int, device: str) -
     return (time.perf_counter() - t0) / steps
 
 
-def measure_memory(model_name: str, variant: str, device: str, small: bool, steps: int) -> dict[str, float]:
-    """Run in a child process: build, first call, ``steps`` steps; the process's peak memory."""
-    step, batch = build(model_name, variant, device, small)
+# ---- memory: one step's peak above what was resident when it began -----------------------------
+
+_LIBC = ctypes.CDLL("libc.so.6") if sys.platform.startswith("linux") else None
+if _LIBC is not None:
+    # M_MMAP_THRESHOLD (-3) fixed at 1 MiB: large tensors are mmapped and unmapped when freed,
+    # so the resident size follows the live tensors instead of glibc's grown heap
+    _LIBC.mallopt(-3, 1 << 20)
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def step_peak_mb(step: Callable[..., Tensor], batch: Batch, device: str) -> float | None:
+    """MB one call of ``step`` holds at its peak beyond what was resident before it (None where
+    the platform gives no way to read it)."""
     if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(1 + steps):
         step(*batch)
-    _sync(device)
-    out = {"maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if device == "cuda":
-        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    return out
-
-
-def _memory_in_child(model_name: str, variant: str, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--child", model_name, variant, "--device", args.device,
-           "--steps", str(args.steps), *(["--small"] if args.small else [])]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if res.returncode != 0:
-        tail = res.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        return {"error": tail[0][:200]}  # type: ignore[dict-item]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    if _LIBC is None:
+        return None
+    _LIBC.malloc_trim(0)
+    base = _proc_status_bytes("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    step(*batch)
+    return (_proc_status_bytes("VmHWM:") - base) / 2**20
 
 
 def run_model(model_name: str, variants: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -200,7 +224,7 @@ def run_model(model_name: str, variants: list[str], args: argparse.Namespace) ->
     built: dict[str, tuple[Callable[..., Tensor], Batch]] = {}
     for v in variants:
         try:
-            step, batch = build(model_name, v, args.device, args.small)
+            step, batch = build(model_name, v, args.device, args.size)
             _sync(args.device)
             t0 = time.perf_counter()
             step(*batch)
@@ -208,16 +232,16 @@ def run_model(model_name: str, variants: list[str], args: argparse.Namespace) ->
             rows[v] = {"first_s": time.perf_counter() - t0, "samples": []}
             built[v] = (step, batch)
         except Exception as e:  # a failing variant is a row of the report, not the end of it
-            rows[v] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"}
+            traceback.print_exc()
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            rows[v] = {"error": f"{type(e).__name__}: {first}"}
     for _ in range(args.repeats):  # interleaved: every variant sees the same machine load
         for v, (step, batch) in built.items():
             rows[v]["samples"].append(_timed(step, batch, args.steps, args.device))
-    for v in built:
+    for v, (step, batch) in built.items():
         rows[v]["step_ms"] = 1000 * statistics.median(rows[v].pop("samples"))
-    if not args.no_memory:
-        for v in variants:
-            if "error" not in rows[v]:
-                rows[v].update(_memory_in_child(model_name, v, args))
+        peaks = [step_peak_mb(step, batch, args.device) for _ in range(3)]
+        rows[v]["peak_mb"] = None if None in peaks else statistics.median(peaks)
     return rows
 
 
@@ -225,24 +249,25 @@ def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespa
     dev = torch.cuda.get_device_name() if args.device == "cuda" else (platform.processor() or platform.machine())
     lines = [f"# Native 16-bit steps vs torch best practice ({args.device}: {dev})", "",
              f"`{command}`; torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-             f"{args.repeats} interleaved samples of {args.steps} steps, medians"
-             + (" (--small: smoke sizes)" if args.small else ""), ""]
-    mem_col = "CUDA peak (MB)" if args.device == "cuda" else "peak RSS (MB)"
+             f"{args.repeats} interleaved samples of {args.steps} steps, medians; sizes: {args.size}", ""]
     for model_name, rows in results.items():
         lines += [f"## {model_name}", "",
-                  f"| variant | ms/step | vs fp32 | vs torch same format | first call (s) | {mem_col} |",
-                  "|---|---|---|---|---|---|"]
+                  "| variant | ms/step | vs fp32 | vs torch same format | first call (s) | step peak (MB) "
+                  "| peak vs torch same format |",
+                  "|---|---|---|---|---|---|---|"]
         base = rows.get("fp32", {}).get("step_ms")
         for v, r in rows.items():
             if "error" in r:
-                lines.append(f"| {v} | failed: {r['error']} | | | | |")
+                lines.append(f"| {v} | failed: {r['error']} | | | | | |")
                 continue
             fmt = v.partition("-")[2]
-            ref = rows.get(f"torch-{fmt}", {}).get("step_ms")
-            mem = r.get("cuda_peak_mb" if args.device == "cuda" else "maxrss_mb")
+            ref = rows.get(f"torch-{fmt}", {})
+            mine = not v.startswith(("torch", "fp32"))
+            mem = r.get("peak_mb")
             cells = [v, f"{r['step_ms']:.1f}", _ratio(r["step_ms"], base),
-                     "" if v.startswith(("torch", "fp32")) else _ratio(r["step_ms"], ref),
-                     f"{r['first_s']:.1f}", "" if mem is None else f"{mem:.0f}"]
+                     _ratio(r["step_ms"], ref.get("step_ms")) if mine else "",
+                     f"{r['first_s']:.1f}", "" if mem is None else f"{mem:.0f}",
+                     _ratio(mem, ref.get("peak_mb")) if mine and mem is not None else ""]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -262,32 +287,33 @@ def main(argv: list[str] | None = None) -> str:
                         help="cbfloat16 has no torch variant: its dlspass step is emulated")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed sample")
-    parser.add_argument("--small", action="store_true", help="smoke sizes for every model")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--small", dest="size", action="store_const", const="small",
+                       help="smoke sizes for every model")
+    sizes.add_argument("--large", dest="size", action="store_const", const="large",
+                       help="GPU sizes for every model")
     parser.add_argument("--emulate", action="store_true", help="also time dlspass's emulated format")
-    parser.add_argument("--no-memory", action="store_true", help="skip the process-per-variant peaks")
-    parser.add_argument("--out", type=Path, help="also write the markdown table here")
-    parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help="also write the markdown table here (after each model)")
+    parser.set_defaults(size="default")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "bench_native: --device cuda but torch sees no CUDA device\n")
-    if args.child:
-        out = json.dumps(measure_memory(*args.child, args.device, args.small, args.steps))
-        print(out)
-        return out
     variants = ["fp32"]
     for fmt in args.formats:
         if fmt not in DTYPES:
             variants.append(f"dlspass-{fmt}")
             continue
         variants += [f"torch-{fmt}", f"dlspass-{fmt}", *([f"emulate-{fmt}"] if args.emulate else [])]
-    results = {m: run_model(m, variants, args) for m in args.models}
     command = "OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "(unset)") + " python " + \
         " ".join([str(Path(__file__).relative_to(Path.cwd())) if Path.cwd() in Path(__file__).parents
                   else __file__, *(argv if argv is not None else sys.argv[1:])])
-    text = report(results, args, command)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for m in args.models:  # the table is rewritten after each model: a cut-off run keeps its rows
+        results[m] = run_model(m, variants, args)
+        text = report(results, args, command)
+        if args.out:
+            args.out.write_text(text + "\n")
     print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
     return text
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The native-precision benchmark on CUDA, float16 and bfloat16, as one command:
-#   tools/bench/gpu_check.sh [extra bench_native.py options, e.g. --small or --models gpt]
-# Writes tools/bench/results/native_cuda.md (the table bench_native.py prints). Exits 2 with a
-# message when torch sees no CUDA device.
+#   tools/bench/gpu_check.sh [extra bench_native.py options, e.g. --large, --models gpt, --out F]
+# Writes tools/bench/results/native_cuda.md (the table bench_native.py prints; a later --out
+# wins). PYTHON names the interpreter (default .venv/bin/python; it must import dlspass, e.g.
+# after `pip install --no-deps -e .`). Exits 2 with a message when torch sees no CUDA device.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
