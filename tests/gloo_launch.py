@@ -1,8 +1,11 @@
 """Start a test script as N gloo processes on loopback and collect each rank's saved result.
 
-The script is run as ``python SCRIPT RANK WORLD PORT OUTDIR``, joins the group with
-`gloo_group` (or `serve`) and saves its result dict with `save_result`. Only 127.0.0.1 is used;
-every run is bounded by ``timeout_s``.
+The script is run as ``python SCRIPT RANK WORLD OUTDIR``, joins the group with `gloo_group`
+(or `serve`) and saves its result dict with `save_result`. The ranks meet through a
+``FileStore`` in OUTDIR, not a TCP port: a port picked by binding one and releasing it could be
+taken by another process (pytest -n 2 runs two launches at once) before rank 0 binds it again,
+whereas gloo's own connections bind their ports and keep them. Only loopback is used; every
+run is bounded by ``timeout_s``.
 
 Written to hold on a loaded machine (many processes on few cores):
 
@@ -10,9 +13,8 @@ Written to hold on a loaded machine (many processes on few cores):
   load) is not spent with the other ranks waiting inside a collective;
 - the collective timeout is long (`GROUP_TIMEOUT_S`), the launcher's longer still;
 - the group is left in order: a barrier (no rank is still sending to one that has left),
-  ``destroy_process_group``, then each rank reports to the store and rank 0, which hosts the
-  store, leaves last; the process then ends with ``os._exit(0)``, so that the interpreter's
-  teardown never destroys gloo's or the store's C++ objects (and their threads) in an order of
+  then ``destroy_process_group``; the process then ends with ``os._exit(0)``, so that the
+  interpreter's teardown never destroys gloo's C++ objects (and their threads) in an order of
   its own choosing, which is where a worker died with ``terminate called without an active
   exception``;
 - each worker writes its output to a file (no pipe that fills while the launcher waits on
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,17 +47,10 @@ PRELOAD = ("dlspass", "dlspass.scaler", "dlspass.models", "dlspass.distributed",
            "torch.nn.parallel", "torch.distributed.fsdp", "torch.distributed.checkpoint")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(script: str, world: int, timeout_s: float = LAUNCH_TIMEOUT_S) -> list[dict]:
     """Run ``script`` on ``world`` ranks; fail the test on a timeout or a failed worker."""
     outdir = tempfile.mkdtemp(prefix=f"dlspass_gloo{world}_")
-    port = free_port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo",
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                # workers import this module (`serve`) from wherever their script lives
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
@@ -66,7 +60,7 @@ def launch(script: str, world: int, timeout_s: float = LAUNCH_TIMEOUT_S) -> list
     for r in range(world):
         with open(logs[r], "wb") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, script, str(r), str(world), str(port), outdir],
+                [sys.executable, script, str(r), str(world), outdir],
                 env=env, stdout=log, stderr=subprocess.STDOUT))
 
     def tails() -> str:
@@ -101,24 +95,22 @@ def save_result(result: dict, outdir: str, rank: int) -> None:
 
 @contextmanager
 def gloo_group(argv: list[str]) -> Iterator[tuple[int, int, str]]:
-    """The worker side of `launch`: join the gloo group named by ``argv`` (RANK WORLD PORT
-    OUTDIR) and yield ``(rank, world, outdir)``. When the body returns, the group is left in
+    """The worker side of `launch`: join the gloo group named by ``argv`` (RANK WORLD OUTDIR)
+    and yield ``(rank, world, outdir)``. When the body returns, the group is left in
     order and the process ends (exit code 0); an exception propagates (a failed worker)."""
     import torch.distributed as dist
 
-    rank, world, port, outdir = int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    rank, world, outdir = int(argv[1]), int(argv[2]), argv[3]
     torch.set_num_threads(1)
     for name in PRELOAD:
         importlib.import_module(name)
     timeout = timedelta(seconds=GROUP_TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+    store = dist.FileStore(os.path.join(outdir, "rdzv"), world)
+    store.set_timeout(timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     yield rank, world, outdir
     dist.barrier()
     dist.destroy_process_group()
-    store.set(f"left/{rank}", "1")
-    if rank == 0:  # the store lives in this process: every other rank is done with it first
-        store.wait([f"left/{r}" for r in range(world)], timeout)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

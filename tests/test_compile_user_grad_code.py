@@ -59,6 +59,22 @@ def log_norm(model: torch.nn.Module) -> torch.Tensor:
 UserCode = Callable[[torch.nn.Module], torch.Tensor]
 
 
+def _clip_norm_step() -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable]:
+    """A fresh model, its SGD and a plain step that clips by norm between backward and step."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return model, opt, step
+
+
 def _torch_amp_run(code: UserCode, opt_cls, opt_kw, batches):
     model = _model()
     opt = opt_cls(model.parameters(), **opt_kw)
@@ -156,17 +172,7 @@ def test_the_gradients_backward_produced_are_unscaled_before_the_step_code_reads
     verified the graph before it wrote the updates in place)."""
     from dlspass.graph import roles
 
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    model, opt, step = _clip_norm_step()
     compiled = dlspass.compile(step, optimizer=opt, scaler=dlspass.GradScaler(policy="torch"),
                                model=model, mixed_precision=False, backend_compiler="eager")
     compiled(torch.randn(4, 8), torch.randn(4, 4))
@@ -234,17 +240,7 @@ def test_a_data_parallel_step_that_clips_itself_is_refused_at_the_first_call(tmp
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-        def step(x, y):
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
+        _, opt, step = _clip_norm_step()
         compiled = dlspass.compile(step, optimizer=opt, scaler=dlspass.GradScaler(policy="torch"),
                                    process_group=True, backend_compiler="eager")
         with pytest.raises(StepCaptureError, match="max_gradient_norm=") as e:

@@ -129,6 +129,21 @@ def test_make_backend_scales_seed_and_checks_in_backward():
     assert not bool(scaler.backend_found_finite)
 
 
+def _step_both(x: torch.Tensor, compiled: tuple, reference: tuple) -> None:
+    """One step of each ``(model, scaler, optimizer)``: the compiled model's backward without
+    ``scaler.scale`` (the backend scales the seed itself), the eager reference's through it."""
+    cmodel, scaler, opt = compiled
+    cmodel(x).pow(2).mean().backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    model, ref_scaler, ref_opt = reference
+    ref_scaler.scale(model(x).pow(2).mean()).backward()
+    ref_scaler.step(ref_opt)
+    ref_scaler.update()
+    ref_opt.zero_grad()
+
+
 def test_make_backend_with_scaler_step_and_update_matches_eager_scaler():
     """The backend's in-graph check drives GradScaler.step/update like the eager scaler's own."""
     torch._dynamo.reset()
@@ -146,14 +161,7 @@ def test_make_backend_with_scaler_step_and_update_matches_eager_scaler():
         if i in (1, 4):
             xi[0, 0] = float("inf")
         before = [p.detach().clone() for p in model.parameters()]
-        cmodel(xi).pow(2).mean().backward()  # the backend scales the seed itself
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        ref_scaler.scale(reference(xi).pow(2).mean()).backward()
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
-        ref_opt.zero_grad()
+        _step_both(xi, (cmodel, scaler, opt), (reference, ref_scaler, ref_opt))
         assert scaler.get_scale().item() == ref_scaler.get_scale().item(), i
         if i in (1, 4):
             for p, q in zip(before, model.parameters(), strict=True):
@@ -180,14 +188,7 @@ def test_make_backend_with_torch_grad_scaler_steps_like_torch_amp():
         xi = x.clone()
         if i == 1:
             xi[0, 0] = float("inf")
-        cmodel(xi).pow(2).mean().backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        ref_scaler.scale(reference(xi).pow(2).mean()).backward()
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
-        ref_opt.zero_grad()
+        _step_both(xi, (cmodel, scaler, opt), (reference, ref_scaler, ref_opt))
         assert scaler.get_scale() == ref_scaler.get_scale(), i
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

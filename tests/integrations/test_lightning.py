@@ -99,19 +99,27 @@ def _trainer_run(make_scaler, tmp) -> tuple[Record, Record]:
     return whole, resumed
 
 
-@pytest.mark.parametrize("make", SCALERS.values(), ids=SCALERS.keys())
-def test_lightning_trainer_recipe_matchestorch_amp_scaler(make, tmp_path):
-    (tmp_path / "t").mkdir()
-    (tmp_path / "d").mkdir()
-    ref, ref_resumed = _trainer_run(torch_amp_scaler, tmp_path / "t")
-    got, got_resumed = _trainer_run(make, tmp_path / "d")
-    assert len(ref.params) == STEPS
+def _assert_same_as_torch_amp(run, make_scaler, tmp) -> Record:
+    """Runs ``run`` (whole, then resumed from half) with torch.amp's scaler and with
+    ``make_scaler``; both runs, and the resumed tail, must match step for step. Returns
+    torch.amp's whole run, whose overflow step must have been skipped."""
+    (tmp / "t").mkdir()
+    (tmp / "d").mkdir()
+    ref, ref_resumed = run(torch_amp_scaler, tmp / "t")
+    got, got_resumed = run(make_scaler, tmp / "d")
     assert torch.equal(ref.params[OVERFLOW_STEP], ref.params[OVERFLOW_STEP - 1])  # skipped
-    assert ref.scales[OVERFLOW_STEP] == ref.scales[OVERFLOW_STEP - 1] / 2
     assert_same_run(got, ref)
     assert_same_run(got_resumed, ref_resumed)
     tail = Record(ref.scales[HALF:], ref.lrs[HALF:], ref.params[HALF:], 0)
     assert_same_run(got_resumed, tail)
+    return ref
+
+
+@pytest.mark.parametrize("make", SCALERS.values(), ids=SCALERS.keys())
+def test_lightning_trainer_recipe_matchestorch_amp_scaler(make, tmp_path):
+    ref = _assert_same_as_torch_amp(_trainer_run, make, tmp_path)
+    assert len(ref.params) == STEPS
+    assert ref.scales[OVERFLOW_STEP] == ref.scales[OVERFLOW_STEP - 1] / 2
 
 
 def test_lightning_16_mixed_on_cpu_is_bf16_without_the_plugin():
@@ -171,15 +179,7 @@ def _fabric_run(make_scaler, tmp) -> tuple[Record, Record]:
 
 @pytest.mark.parametrize("make", SCALERS.values(), ids=SCALERS.keys())
 def test_fabric_recipe_matchestorch_amp_scaler(make, tmp_path):
-    (tmp_path / "t").mkdir()
-    (tmp_path / "d").mkdir()
-    ref, ref_resumed = _fabric_run(torch_amp_scaler, tmp_path / "t")
-    got, got_resumed = _fabric_run(make, tmp_path / "d")
-    assert torch.equal(ref.params[OVERFLOW_STEP], ref.params[OVERFLOW_STEP - 1])  # skipped
-    assert_same_run(got, ref)
-    assert_same_run(got_resumed, ref_resumed)
-    tail = Record(ref.scales[HALF:], ref.lrs[HALF:], ref.params[HALF:], 0)
-    assert_same_run(got_resumed, tail)
+    _assert_same_as_torch_amp(_fabric_run, make, tmp_path)
 
 
 def test_fabric_saves_no_scaler_unless_it_is_in_the_state(tmp_path):

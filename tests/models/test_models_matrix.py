@@ -23,21 +23,23 @@ import dlspass
 FAST = {
     *(harness.cell_id(m, e, "fp32") for m in zoo.MODELS for e in harness.EAGER),
     *(harness.cell_id(m, "GradScaler", "fp32", True) for m in zoo.MODELS),
-    harness.cell_id("gpt2", "TorchGradScaler", "fp32", True),
-    harness.cell_id("graph_break", "capture_step", "fp32"),
-    harness.cell_id("graph_break", "capture_step", "cbfloat16"),
-    harness.cell_id("graph_break", "dlspass.compile", "fp32"),
-    harness.cell_id("graph_break", "cli", "fp32"),
-    harness.cell_id("graph_break", "make_backend", "fp32"),
-    harness.cell_id("gpt2", "capture_step", "cbfloat16"),
-    # native 16-bit kernels against torch.autocast + torch.amp.GradScaler, one cell per entry
-    # point and format (the whole native matrix is slow: tools/compat/run_models.py)
-    harness.cell_id("mhagpt", "capture_step", "float16-native"),
-    harness.cell_id("mhagpt", "capture_step", "bfloat16-native"),
-    harness.cell_id("graph_break", "make_backend", "float16-native"),
-    harness.cell_id("graph_break", "backend=dlspass", "bfloat16-native"),
-    harness.cell_id("resnet", "capture_step", "float16-native"),
-    harness.cell_id("graph_break", "cli", "float16-native"),
+    *(harness.cell_id(*cell) for cell in (
+        ("gpt2", "TorchGradScaler", "fp32", True),
+        ("graph_break", "capture_step", "fp32"),
+        ("graph_break", "capture_step", "cbfloat16"),
+        ("graph_break", "dlspass.compile", "fp32"),
+        ("graph_break", "cli", "fp32"),
+        ("graph_break", "make_backend", "fp32"),
+        ("gpt2", "capture_step", "cbfloat16"),
+        # native 16-bit kernels against torch.autocast + torch.amp.GradScaler, one cell per entry
+        # point and format (the whole native matrix is slow: tools/compat/run_models.py)
+        ("mhagpt", "capture_step", "float16-native"),
+        ("mhagpt", "capture_step", "bfloat16-native"),
+        ("graph_break", "make_backend", "float16-native"),
+        ("graph_break", "backend=dlspass", "bfloat16-native"),
+        ("resnet", "capture_step", "float16-native"),
+        ("graph_break", "cli", "float16-native"),
+    )),
     # dlspass.compile native: tests/test_native_precision.py trains MHAGPT through it by default
     # gpt2 cli fp32 is slow here: tests/test_cli_outside_models.py trains the same CLI path in
     # the default suite.
