@@ -114,7 +114,7 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
 
         from dlspass.formats import INDUCTOR_CONFIG  # keeps the rounding casts
 
-        extra = cfx.create_compiler_config_extra(gm)
+        extra = _compiler_config_extra(cfx, gm, inductor_config)
         n_outputs, n_inputs = cfx.get_num_model_outputs(gm), len(example_inputs)
 
         def compile_graph(g: fx.GraphModule, ex: list[Any], is_backward: bool,
@@ -148,6 +148,16 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
     if backend_compiler == "eager":
         return backend(gm, example_inputs)
     return _inductor_context(example_inputs, lambda: backend(gm, example_inputs))
+
+
+def _compiler_config_extra(cfx: Any, gm: fx.GraphModule, inductor_config: Any) -> Any:
+    """inductor's per-graph compile settings. torch 2.13 reads them from the graph module (its
+    meta can turn cudagraphs off); earlier releases (torch 2.11, the CUDA image the GPU
+    benchmark runs on) read inductor's config module instead."""
+    import inspect
+
+    first = next(iter(inspect.signature(cfx.create_compiler_config_extra).parameters))
+    return cfx.create_compiler_config_extra(inductor_config if first == "config" else gm)
 
 
 def _inductor_context(example_inputs: list[Any], build: Callable[[], Callable]) -> Callable:
