@@ -423,3 +423,22 @@ def test_make_backend_flag_serves_every_optimizer_of_the_step_and_no_later_step(
         scaler.step(opt)
     scaler.update()
     assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_inductor_compile_settings_come_from_the_signature_torch_has() -> None:
+    """torch 2.13's create_compiler_config_extra reads the graph module, torch 2.11's (the GPU
+    image's) inductor's config module: each gets what its signature names."""
+    import types
+
+    from torch._inductor import compile_fx as cfx
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    got = []
+    old = types.SimpleNamespace(create_compiler_config_extra=lambda config: got.append(config))
+    new = types.SimpleNamespace(create_compiler_config_extra=lambda gm: got.append(gm))
+    sentinel = object()
+    dynamo_backend._compiler_config_extra(old, gm, sentinel)
+    dynamo_backend._compiler_config_extra(new, gm, sentinel)
+    assert got == [sentinel, gm]
+    # and torch's own (2.13) accepts the graph module
+    assert dynamo_backend._compiler_config_extra(cfx, gm, sentinel).cudagraphs is not None
