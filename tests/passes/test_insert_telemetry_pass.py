@@ -105,12 +105,14 @@ def _count_by_cast(value: torch.Tensor, rounded_by_kernel: bool) -> dict[str, fl
             "overflow": float(torch.isinf(cast).sum())}
 
 
-def _recomputed(gm, inputs: list[torch.Tensor], y) -> torch.Tensor:
+def _op_of(y):
+    return y.args[0] if y.target is operator.getitem else y
+
+
+def _recomputed(y, vals: dict) -> torch.Tensor:
     """The lowered output ``y`` recomputed in eager, in float32, from the op's inputs as the
-    graph fed them (the 16-bit ones widened): the op's own ATen kernel, called here."""
-    op = y.args[0] if y.target is operator.getitem else y
-    arg_nodes = op.all_input_nodes
-    vals = dict(zip(arg_nodes, node_values(gm, inputs, arg_nodes), strict=True))
+    graph fed them (``vals``; the 16-bit ones widened): the op's own ATen kernel, called here."""
+    op = _op_of(y)
 
     def f32(a):
         if isinstance(a, torch.fx.Node):
@@ -144,10 +146,12 @@ def test_lowered_op_outputs_equal_recomputing_the_op_in_eager(mode: str, make_st
         step.gm(*inputs)
     got = _read(names, buffer)
     nodes = {f"lowered:{n.name}": n for n in step.gm.graph.nodes}
+    arg_nodes = list(dict.fromkeys(a for name in lowered for a in _op_of(nodes[name]).all_input_nodes))
+    vals = dict(zip(arg_nodes, node_values(step.gm, inputs, arg_nodes), strict=True))
     for name in lowered:
         y = nodes[name]
         assert y.meta["val"].dtype == (torch.float16 if mode == "native" else torch.float32), name
-        want = _count_by_cast(_recomputed(step.gm, inputs, y), rounded_by_kernel=mode == "native")
+        want = _count_by_cast(_recomputed(y, vals), rounded_by_kernel=mode == "native")
         assert _key(got[name]) == _key(want), name
     assert sum(got[n]["subnormal"] for n in lowered) > 0
     if mode == "emulate":
