@@ -117,8 +117,12 @@ class DLSConfig:
     kernels autocast would run) or ``"emulate"`` (rounded to the format in float32 containers,
     to study the numerics); ``None`` (default) is native for float16 and bfloat16, as a user of
     autocast expects, and emulate for cbfloat16, which has no dtype outside Cerebras hardware
-    (`lowering_mode` is the mode in effect). Entry points merge their keyword overrides into a
-    config with `with_overrides`.
+    (`lowering_mode` is the mode in effect). ``telemetry`` (off by default; Model Zoo has no
+    key for it): the step front ends (``dlspass.compile``, ``capture_step``) count, in the
+    step's own kernels, where each scaled gradient and each lowered op's output lands in
+    ``fp16_type`` (amax, flushed, subnormal, overflow), kept on the device until
+    ``step.telemetry.read()``; it changes no value the step computes. Entry points merge their
+    keyword overrides into a config with `with_overrides`.
 
     Example:
         >>> cfg = DLSConfig(fp16_type="cbfloat16")
@@ -144,6 +148,7 @@ class DLSConfig:
     on_scale_floor: Literal["warn", "raise"] = "warn"
     log_loss_scale: bool = False
     precision_mode: PrecisionMode | None = None
+    telemetry: bool = False
     extras: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -179,7 +184,7 @@ class DLSConfig:
         if self.max_gradient_norm is not None and self.max_gradient_value is not None:
             raise ConfigError("max_gradient_norm and max_gradient_value: set at most one of them")
         _choice("on_scale_floor", self.on_scale_floor, ("warn", "raise"), "action")
-        for name in ("mixed_precision", "consecutive_hysteresis", "log_loss_scale"):
+        for name in ("mixed_precision", "consecutive_hysteresis", "log_loss_scale", "telemetry"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected a bool, got {excerpt(getattr(self, name))}")
         if self.precision_mode == "native" and self.mixed_precision and self.fp16_type not in NATIVE_FORMATS:

@@ -161,6 +161,20 @@ def mse_train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callab
     return train_step
 
 
+def gpt_train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Tensor, Tensor], Tensor]:
+    """``step(idx, targets)``: `gpt_loss`, its backward and ``optimizer.step()``, written as a
+    user writes it, for ``dlspass.compile`` to compile whole; returns the detached loss."""
+
+    def train_step(idx: Tensor, targets: Tensor) -> Tensor:
+        loss = gpt_loss(model, (idx, targets))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return train_step
+
+
 def ce_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     x, y = batch
     return F.cross_entropy(model(x), y)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 
 import torch
 import torch.fx as fx
@@ -15,32 +16,49 @@ from dlspass.formats import is_round_node, round_node_args
 from dlspass.graph import roles
 from dlspass.graph.splice import insert_op, splice
 from dlspass.passes.base import GraphPass, GraphPassResult, PassContractError
+from dlspass.precision_policy import VALUE_PRESERVING_OPS, PrecisionPolicy
 
 BUFFER_TARGET = "dlspass_telemetry"  # the input (role INPUT) the counts are written into
 NAMES_KEY = "dlspass_telemetry_names"  # on the buffer placeholder: the JSON list of its rows
+_HALF = (torch.float16, torch.bfloat16)
+_CET = torch.ops.prims.convert_element_type.default
+_COPY = torch.ops.aten.copy.default
 
 
 class InsertTelemetryPass(GraphPass):
     """Count, in the step graph, where each gradient and lowered op output lands in ``fmt``.
 
     Watched tensors: every GRAD node (the gradient as backward produced it: scaled, once the
-    DLS passes have run), and, in a lowered step, the float32 input of every rounding to a
-    16-bit format (each lowered op's output before it is rounded). For each, the row
+    DLS passes have run; the unscale pass reroutes only the optimizer's reads), and, in a step
+    ``LowerPrecisionPass`` lowered, each output of the policy's 16-bit ops: in ``emulate`` mode
+    the float32 value the output rounding reads (so a value the rounding flushes is counted
+    as flushed), in ``native`` mode the 16-bit tensor the kernel wrote. For each, the row
     ``[amax, flushed, subnormal, overflow]`` of `dlspass.format_ranges.value_counts` is written
     into one float64 buffer ``[len(watched), 4]`` by a ``copy_`` at the end of the graph: the
     counts stay on the device until the caller reads the buffer.
 
+    A tensor that already holds values rounded to ``fmt`` (a native 16-bit output, a float32
+    cast of one, as a native step's gradient of a 16-bit matmul is, or an emulated rounding's
+    result, as an emulated step's gradient of a lowered matmul is) cannot show what the
+    rounding flushed: its ``flushed`` is NaN (unknown), never a 0 that reads as none. In
+    emulate mode the ``lowered:`` row of the op that made it has that count.
+
+    The pass must run after the lowering to see the lowered ops: the step pipeline runs it
+    after ``apply_dls`` (``pipeline_phase = "after_dls"``, dlspass.capture.step_pipeline).
+
     The buffer is the graph's last input (role ``input``, target ``dlspass_telemetry``; its
     ``meta["val"]`` has the shape and device) and its rows are named on it (`telemetry_names`:
-    ``grad:<target>``, ``lowered:<node>``). ``dlspass.debug.telemetry.Telemetry`` runs this
+    ``grad:<target>``, ``lowered:<node>``). ``dlspass.capture.telemetry.Telemetry`` runs this
     pass as a ``graph_passes`` hook and feeds and reads the buffer. A graph that has the buffer
     already is left alone. ``stats["watched"]``: the rows.
     """
 
     name = "insert_telemetry"
+    pipeline_phase = "after_dls"
 
-    def __init__(self, fmt: str = "float16") -> None:
+    def __init__(self, fmt: str = "float16", policy: PrecisionPolicy | None = None) -> None:
         self.range: FormatRange = get_range(fmt)
+        self.policy = policy or PrecisionPolicy(fmt)
 
     def requires(self, gm: fx.GraphModule) -> None:
         if buffer_node(gm.graph) is None and not roles.nodes_with_role(gm.graph, roles.GRAD):
@@ -51,11 +69,19 @@ class InsertTelemetryPass(GraphPass):
         if buffer_node(graph) is not None:
             return GraphPassResult(gm, False, skipped="already applied")
         watched = [(f"grad:{roles.target_of(n)}", n) for n in roles.nodes_with_role(graph, roles.GRAD)]
-        watched += [(f"lowered:{src.name}", src) for src in _lowered_outputs(graph)]
+        watched += [(f"lowered:{y.name}", y) for y in _lowered_outputs(graph, self.policy)]
+        unknown_flush = [_rounded_by_kernel(n, self.range) for _, n in watched]
         out = graph.output_node()
         r = self.range
-        (stats,) = splice(graph, lambda *ts: [torch.stack([value_counts(t, r) for t in ts])],
-                          [n for _, n in watched], role=roles.TELEMETRY, by_pass=self.name, before=out)
+
+        def counts(*ts: Tensor) -> list[Tensor]:
+            rows = [value_counts(t, r) for t in ts]
+            rows = [torch.cat([row[:1], torch.full_like(row[1:2], float("nan")), row[2:]]) if unknown
+                    else row for row, unknown in zip(rows, unknown_flush, strict=True)]
+            return [torch.stack(rows)]
+
+        (stats,) = splice(graph, counts, [n for _, n in watched], role=roles.TELEMETRY,
+                          by_pass=self.name, before=out)
         buf = _add_buffer(graph, stats.meta["val"])
         buf.meta.setdefault("custom", {})[NAMES_KEY] = json.dumps([name for name, _ in watched])
         insert_op(graph, torch.ops.aten.copy_.default, (buf, stats), before=out, role=roles.TELEMETRY,
@@ -88,13 +114,43 @@ def _add_buffer(graph: fx.Graph, like: Tensor) -> fx.Node:
     return buf
 
 
-def _lowered_outputs(graph: fx.Graph) -> list[fx.Node]:
-    """The float32 values a lowered step rounds to a 16-bit format, each once."""
-    seen: dict[fx.Node, None] = {}
-    for node in graph.nodes:
-        if is_round_node(node):
-            src = round_node_args(node)[0]
-            val = src.meta.get("val")
-            if isinstance(val, Tensor) and val.dtype == torch.float32 and src.op != "placeholder":
-                seen.setdefault(src)
-    return list(seen)
+def _lowered_outputs(graph: fx.Graph, policy: PrecisionPolicy) -> list[fx.Node]:
+    """The outputs of the policy's ops that a lowering put in 16 bits, in graph order: a 16-bit
+    output (native mode) or a float32 one that a ``round_to_format`` reads (emulate mode). An
+    op the lowering left alone (``mixed_precision=False``, or no lowering yet) has none."""
+    found: list[fx.Node] = []
+    for op in graph.nodes:
+        if op.op != "call_function" or not policy.lowers(op.target):
+            continue
+        for y in _outputs(op):
+            val = y.meta.get("val")
+            if val.dtype in _HALF or (val.dtype == torch.float32 and any(map(is_round_node, y.users))):
+                found.append(y)
+    return found
+
+
+def _outputs(op: fx.Node) -> list[fx.Node]:
+    """The tensor values ``op`` produces: itself, or the getitems of its tuple result."""
+    if isinstance(op.meta.get("val"), Tensor):
+        return [op]
+    return [u for u in op.users if u.target is operator.getitem and isinstance(u.meta.get("val"), Tensor)]
+
+
+def _rounded_by_kernel(node: fx.Node, r: FormatRange) -> bool:
+    """``node`` holds values already rounded to ``r``: followed back through casts, views and
+    copies (a compiled step's gradient is ``copy(empty_like(g), g)``), it reaches a tensor of
+    ``r``'s dtype (a native 16-bit kernel's output) or a ``round_to_format`` to ``r``."""
+    n: object = node
+    while isinstance(n, fx.Node) and n.op == "call_function":
+        val = n.meta.get("val")
+        if r.torch_dtype is not None and isinstance(val, Tensor) and val.dtype == r.torch_dtype:
+            return True
+        if is_round_node(n):
+            return round_node_args(n)[1] == r.name
+        if n.target is _COPY:
+            n = n.args[1]
+        elif n.target is _CET or n.target in VALUE_PRESERVING_OPS:
+            n = n.args[0]
+        else:
+            return False
+    return False

@@ -17,7 +17,7 @@ from dlspass.capture.compiled_step import CompileError
 from dlspass.config import ConfigError
 from dlspass.debug.kernel_count import KernelCount, count_kernels
 from dlspass.graph import roles
-from dlspass.models import MLP, TinyGPT, copy_task_batch, gpt_loss, mse_train_step
+from dlspass.models import MLP, TinyGPT, copy_task_batch, gpt_train_step, mse_train_step
 
 OVERFLOW_STEPS = (4, 9, 10)
 
@@ -248,15 +248,7 @@ def test_static_scale_and_no_scaler_match_eager():
 def _gpt_step(model, scaler, **compile_kw):
     """The GPT training step with AdamW, through dlspass.compile."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def train_step(idx, targets):
-        loss = gpt_loss(model, (idx, targets))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return dlspass.compile(train_step, optimizer=opt, scaler=scaler, **compile_kw)
+    return dlspass.compile(gpt_train_step(model, opt), optimizer=opt, scaler=scaler, **compile_kw)
 
 
 @pytest.mark.parametrize("fp16_type", ["float16", "cbfloat16"])

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import dlspass
 from dlspass.capture import compiled_step, step_pipeline
 from dlspass.graph import roles
+from dlspass.graph.clone import clone_step_graph
 from dlspass.graph.invariants import VerificationError
 from dlspass.graph.roles import FLAG_ALLREDUCE
 from dlspass.models import MLP, mse_loss, mse_train_step
@@ -140,6 +141,62 @@ def test_both_steps_run_graph_passes_before_dls_and_name_parameters_alike() -> N
     torch._dynamo.reset()
     plain = dlspass.compile(mse_train_step(model, opt), optimizer=opt, config=CONFIG)
     assert plain.graph_targets(model)["fc2.weight"] == "group0.param2"
+
+
+class _PhaseRecorder:
+    """A graph pass that records, when it runs, whether DLS has run and how many roundings to
+    float16 the lowering left."""
+
+    def __init__(self, seen: list, phase: str | None) -> None:
+        self.seen = seen
+        if phase is not None:
+            self.pipeline_phase = phase
+
+    def __call__(self, gm: torch.fx.GraphModule) -> None:
+        rounds = [n for n in gm.graph.nodes if n.target is torch.ops.dlspass.round_to_format.default]
+        self.seen.append((getattr(self, "pipeline_phase", None),
+                          bool(roles.nodes_with_role(gm.graph, roles.SCALED_SEED)), len(rounds)))
+
+
+def test_a_pass_may_run_after_dls_and_sees_the_lowered_step_in_both_steps() -> None:
+    """``pipeline_phase = "after_dls"`` runs a pass after the lowering and the DLS passes (the
+    telemetry needs the 16-bit ops); without the attribute, or with "before_dls", before them;
+    an unknown phase is refused."""
+    config = dlspass.DLSConfig(fp16_type="float16", precision_mode="emulate")
+    for front in ("captured", "compiled"):
+        seen: list = []
+        # listed after first: the phases, not the list order, decide
+        passes = [_PhaseRecorder(seen, "after_dls"), _PhaseRecorder(seen, None),
+                  _PhaseRecorder(seen, "before_dls")]
+        torch.manual_seed(0)
+        model = MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if front == "captured":
+            dlspass.capture_step(model, mse_loss, opt, _batch(), config=config, graph_passes=passes)
+        else:
+            torch._dynamo.reset()
+            dlspass.compile(mse_train_step(model, opt), optimizer=opt, config=config,
+                            backend_compiler="eager", graph_passes=passes)(*_batch())
+        assert [s[:2] for s in seen] == [(None, False), ("before_dls", False), ("after_dls", True)], front
+        assert seen[0][2] == seen[1][2] == 0 and seen[2][2] > 0, front
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(dlspass.ConfigError, match="pipeline_phase 'later'; expected one of before_dls, after_dls"):
+        dlspass.capture_step(model, mse_loss, opt, _batch(), config=config,
+                             graph_passes=[_PhaseRecorder([], "later")])
+
+
+def test_a_front_end_without_a_telemetry_hook_refuses_a_config_asking_for_telemetry() -> None:
+    """The ``.pt2`` transform runs the pipeline with no buffer to feed: telemetry=True there is
+    refused in one line, not silently dropped."""
+    model = MLP()
+    step = dlspass.capture_step(model, mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), _batch(),
+                                config=CONFIG)
+    gm = clone_step_graph(step._traced)
+    with pytest.raises(dlspass.StepCaptureError, match="telemetry=True: this step front end has no telemetry"):
+        step_pipeline.run_step_pipeline(gm, CONFIG.with_overrides(telemetry=True))
+    step_pipeline.run_step_pipeline(gm, CONFIG)  # the same graph, without telemetry: fine
 
 
 def test_both_steps_refuse_an_input_no_provider_feeds() -> None:

@@ -1,8 +1,12 @@
-"""Telemetry as a ``graph_passes`` hook: under ``dlspass.compile`` it adds no graph break, the
-counts of the scaled gradients equal counting them in eager, and the buffer is fed, not
-recompiled, at every step; ``capture_step`` feeds it the same way."""
+"""Telemetry in the step front ends: as a ``graph_passes`` hook or asked for by
+``DLSConfig(telemetry=True)``, under ``dlspass.compile`` it adds no graph break, the counts of
+the scaled gradients equal counting them in eager, the lowered ops' outputs are counted as
+recomputing them in eager gives, and the buffer is fed, not recompiled, at every step;
+``capture_step`` does the same."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -13,39 +17,70 @@ from torch._dynamo.utils import counters
 import dlspass
 from dlspass.debug.telemetry import Telemetry
 from dlspass.format_ranges import COUNT_FIELDS
+from dlspass.models import mse_train_step
+
+# a scale below 1: some float16 gradients flush to zero, some land subnormal
+SMALL_SCALE = 2.0**-14
 
 
 def _by_name(tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, dict[str, float]]:
     return {n: dict(zip(COUNT_FIELDS, reference_counts(t, fmt), strict=True)) for n, t in tensors.items()}
 
 
-def test_compiled_step_counts_its_scaled_gradients_without_graph_breaks() -> None:
-    torch.manual_seed(0)
+def _key(rows: dict[str, dict[str, float]]) -> dict[str, dict[str, object]]:
+    """``rows`` with NaN spelled out, so that they compare with ``==``."""
+    return {n: {k: "nan" if math.isnan(v) else v for k, v in row.items()} for n, row in rows.items()}
+
+
+def _mlp_pair(seed: int = 0) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    """A small MLP, an identical copy to compute the eager reference with, the MLP's SGD and a
+    batch."""
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     reference = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     reference.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
-    # a scale below 1: some float16 gradients flush to zero, some land subnormal
-    scale = 2.0**-14
-    scaler = dlspass.GradScaler(loss_scale="dynamic", initial_loss_scale=scale, min_loss_scale=2.0**-20)
+    return model, reference, opt, torch.randn(8, 6), torch.randn(8, 3)
+
+
+def _mse(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(m(b[0]), b[1])
+
+
+def _lowered_config(mode: str, **kw: object) -> dlspass.DLSConfig:
+    return dlspass.DLSConfig(fp16_type="float16", precision_mode=mode, initial_loss_scale=SMALL_SCALE,
+                             min_loss_scale=2.0**-20, **kw)
+
+
+def _first_layer_counts(reference: nn.Module, x: torch.Tensor, mode: str) -> dict[str, float]:
+    """The first Linear's output as the lowered step computes it, recomputed in eager in
+    float32 from its float16 inputs, cast to float16 and counted with plain torch ops (native:
+    the kernel rounded it, so the cast value's amax and no flush count)."""
+    lin = reference[0]
+    x16, w16, b16 = (t.detach().to(torch.float16).to(torch.float32) for t in (x, lin.weight, lin.bias))
+    value = torch.addmm(b16, x16, w16.t())
+    cast = value.to(torch.float16).to(torch.float32)
+    native = mode == "native"
+    tiny = torch.finfo(torch.float16).tiny
+    return {"amax": (cast if native else value).abs().max().item(),
+            "flushed": math.nan if native else float(((value != 0) & (cast == 0)).sum()),
+            "subnormal": float(((cast != 0) & (cast.abs() < tiny)).sum()),
+            "overflow": float(torch.isinf(cast).sum())}
+
+
+def test_compiled_step_counts_its_scaled_gradients_without_graph_breaks() -> None:
+    model, reference, opt, x, y = _mlp_pair()
+    scaler = dlspass.GradScaler(loss_scale="dynamic", initial_loss_scale=SMALL_SCALE, min_loss_scale=2.0**-20)
     telemetry = Telemetry("float16")
-
-    def train_step(x, y):
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
     counters.clear()
-    step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, mixed_precision=False,
+    step = dlspass.compile(mse_train_step(model, opt), optimizer=opt, scaler=scaler, mixed_precision=False,
                            backend_compiler="eager", graph_passes=[telemetry])
+    assert step.telemetry is telemetry
     step(x, y)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
     # eager: the gradients of the loss times the scale the step used, counted by rounding
-    (nn.functional.mse_loss(reference(x), y) * scale).backward()
+    (_mse(reference, (x, y)) * SMALL_SCALE).backward()
     # a compiled step names a gradient by its place in the optimizer (group0.param<i>)
     want = {f"grad:group0.param{i}": p.grad for i, p in enumerate(reference.parameters())}
     got = telemetry.read()
@@ -60,24 +95,78 @@ def test_compiled_step_counts_its_scaled_gradients_without_graph_breaks() -> Non
 
 
 def test_captured_step_feeds_the_buffer_and_counts_its_scaled_gradients() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-    reference = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-    reference.load_state_dict(model.state_dict())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
-    scale = 2.0**-14
-    config = dlspass.DLSConfig(mixed_precision=False, initial_loss_scale=scale, min_loss_scale=2.0**-20)
+    model, reference, opt, x, y = _mlp_pair()
+    config = dlspass.DLSConfig(mixed_precision=False, initial_loss_scale=SMALL_SCALE, min_loss_scale=2.0**-20)
     telemetry = Telemetry("float16")
-    step = dlspass.capture_step(model, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), opt, (x, y),
-                                config, graph_passes=[telemetry])
+    step = dlspass.capture_step(model, _mse, opt, (x, y), config, graph_passes=[telemetry])
     step((x, y))
-    (nn.functional.mse_loss(reference(x), y) * scale).backward()
+    (_mse(reference, (x, y)) * SMALL_SCALE).backward()
     want = {f"grad:{n}": p.grad for n, p in reference.named_parameters()}
     got = telemetry.read()
     assert sorted(got) == sorted(want)
     assert got == _by_name(want, "float16")
     assert sum(row["flushed"] for row in got.values()) > 0
+
+
+@pytest.mark.parametrize("mode", ["emulate", "native"])
+def test_config_telemetry_in_compile_counts_lowered_ops_as_the_hook_does_without_graph_breaks(mode: str) -> None:
+    """``DLSConfig(telemetry=True)`` gives ``step.telemetry``: one graph, no graph break, a row
+    per scaled gradient and per lowered op output, the first layer's row equal to recomputing
+    it in eager, and the same counts as a ``Telemetry`` passed by hand to the same step."""
+    model, reference, opt, x, y = _mlp_pair()
+    torch._dynamo.reset()
+    counters.clear()
+    step = dlspass.compile(mse_train_step(model, opt), optimizer=opt, config=_lowered_config(mode, telemetry=True),
+                           backend_compiler="eager")
+    step(x, y)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    got = step.telemetry.read()
+    assert isinstance(step.telemetry, Telemetry) and step.telemetry in step.graph_passes
+    lowered = [n for n in got if n.startswith("lowered:")]
+    assert len(lowered) == 5  # two forward addmm, three backward mm
+    assert sum(n.startswith("grad:") for n in got) == 4
+    assert _key({"first": got[lowered[0]]}) == _key({"first": _first_layer_counts(reference, x, mode)})
+    assert sum(got[n]["subnormal"] for n in lowered) > 0
+
+    model2, _, opt2, _, _ = _mlp_pair()  # the same seed: the parameters the first step started from
+    hand = Telemetry("float16")
+    torch._dynamo.reset()
+    step2 = dlspass.compile(mse_train_step(model2, opt2), optimizer=opt2, config=_lowered_config(mode),
+                            backend_compiler="eager", graph_passes=[hand])
+    step2(x, y)
+    assert step2.telemetry is hand
+    assert _key(hand.read()) == _key(got)
+
+
+@pytest.mark.parametrize("mode", ["emulate", "native"])
+def test_config_telemetry_in_capture_step_counts_as_the_hook_does(mode: str) -> None:
+    model, reference, opt, x, y = _mlp_pair()
+    step = dlspass.capture_step(model, _mse, opt, (x, y), _lowered_config(mode, telemetry=True))
+    step((x, y))
+    got = step.telemetry.read()
+    lowered = [n for n in got if n.startswith("lowered:")]
+    assert len(lowered) == 5 and sum(n.startswith("grad:") for n in got) == 4
+    assert _key({"first": got[lowered[0]]}) == _key({"first": _first_layer_counts(reference, x, mode)})
+
+    model2, _, opt2, _, _ = _mlp_pair()
+    hand = Telemetry("float16")
+    step2 = dlspass.capture_step(model2, _mse, opt2, (x, y), _lowered_config(mode), graph_passes=[hand])
+    step2((x, y))
+    assert step2.telemetry is hand
+    assert _key(hand.read()) == _key(got)
+
+
+def test_config_and_hook_together_feed_one_telemetry_and_off_means_none() -> None:
+    model, _, opt, x, y = _mlp_pair()
+    hand = Telemetry("float16")
+    step = dlspass.capture_step(model, _mse, opt, (x, y), _lowered_config("emulate", telemetry=True),
+                                graph_passes=[hand])
+    assert step.telemetry is hand and step.graph_passes == [hand]
+    step((x, y))
+    assert hand.read()
+    plain = dlspass.capture_step(model, _mse, opt, (x, y), _lowered_config("emulate"))
+    assert plain.telemetry is None and plain.graph_passes == []
 
 
 def test_gradient_amax_agrees_with_graphcore_unit_scaling_track_scales() -> None:
@@ -95,11 +184,7 @@ def test_gradient_amax_agrees_with_graphcore_unit_scaling_track_scales() -> None
         def forward(self, x, y):
             return nn.functional.mse_loss(self.m(x), y)
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-    reference = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-    reference.load_state_dict(model.state_dict())
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    model, reference, opt, x, y = _mlp_pair()
     tracked = track_scales(Loss(reference))
     tracked(x, y).backward()
     # dynamo names a parameter placeholder by its path, e.g. l_self_modules_m_modules_0_parameters_bias_
@@ -107,14 +192,11 @@ def test_gradient_amax_agrees_with_graphcore_unit_scaling_track_scales() -> None
               for n in tracked.scales_graph().nodes if n.op == "placeholder" and "_parameters_" in n.name}
 
     scale = 2.0**10
-    telemetry = Telemetry("float16")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = dlspass.DLSConfig(mixed_precision=False, initial_loss_scale=scale)
-    step = dlspass.capture_step(model, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), opt, (x, y),
-                                config, graph_passes=[telemetry])
+    config = dlspass.DLSConfig(mixed_precision=False, initial_loss_scale=scale, telemetry=True)
+    step = dlspass.capture_step(model, _mse, opt, (x, y), config)
     step((x, y))
     ours = {f"{name.replace('.', '_parameters_')}_": row["amax"] / scale
-            for name, row in ((k.removeprefix("grad:"), v) for k, v in telemetry.read().items())}
+            for name, row in ((k.removeprefix("grad:"), v) for k, v in step.telemetry.read().items())}
     assert sorted(ours) == sorted(theirs) and len(ours) == 4
     for name, amax in theirs.items():
         assert ours[name] == pytest.approx(amax, rel=1e-6), name

@@ -24,9 +24,11 @@ purpose), so while the compiled step runs:
    as is with ``backend_compiler="eager"``).
 
 Hooks on that AOT graph (the same as ``CapturedStep``'s): ``graph_passes`` run between tagging
-and ``apply_dls`` and may add inputs that the step feeds at every call
-(``CompiledStep.extra_inputs``; fault injection uses this), and ``process_group`` makes the
-graph one data-parallel step (gradient all-reduce before DLS, overflow-flag all-reduce after it).
+and ``apply_dls`` (or after it, for a pass whose ``pipeline_phase`` is ``"after_dls"``) and may
+add inputs that the step feeds at every call (``CompiledStep.extra_inputs``; fault injection
+uses this), and ``process_group`` makes the graph one data-parallel step (gradient all-reduce
+before DLS, overflow-flag all-reduce after it). ``DLSConfig(telemetry=True)`` adds the numerics
+telemetry (``step.telemetry.read()``; dlspass.capture.telemetry).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from dlspass.capture.dynamo_backend import BACKEND_COMPILERS
 from dlspass.capture.live_optimizer import SUPPORTED_NAMES, LiveOptimizer, functionalize_live
 from dlspass.capture.step_config import NO_SCALING, resolve_config
 from dlspass.capture.step_pipeline import StepCaptureError, param_targets
+from dlspass.capture.telemetry import step_telemetry
 from dlspass.config import ConfigError, DLSConfig, FP16Type, PrecisionMode
 from dlspass.errors import DLSPassError
 from dlspass.graph import roles
@@ -213,11 +216,16 @@ class CompiledStep:
     Hooks on the AOT graph (both read when the step is first called, which compiles it):
 
     - ``graph_passes``: callables ``pass(gm)`` that rewrite the role-tagged AOT step graph in
-      place, after ``tag_aot_graph`` and before ``apply_dls`` (``dlspass.debug.faults`` uses one);
+      place, after ``tag_aot_graph`` and before ``apply_dls`` (``dlspass.debug.faults`` uses one),
+      or after it where the pass's ``pipeline_phase`` is ``"after_dls"`` (the telemetry);
     - ``extra_inputs``: ``{target: provider}``. A pass may append placeholders (role
       ``input``, ``dlspass_target`` = target); the graph then gets ``provider()`` (a tensor on
       the parameters' device) for each of them at every call, so their values change without
       recompiling.
+
+    ``telemetry``: the ``dlspass.capture.telemetry.Telemetry`` the step feeds (the config's
+    ``telemetry=True`` adds one to ``graph_passes``, or the one passed there), or None;
+    ``step.telemetry.read()`` gives the last call's counts.
 
     ``num_calls`` counts the calls (a step index for the providers; it is advanced before the
     graph runs). With ``process_group`` the graph averages gradients over the group and agrees
@@ -237,6 +245,7 @@ class CompiledStep:
         self.backend_compiler = backend_compiler
         self.graphs: list[fx.GraphModule] = []  # the rewritten AOT graphs, for inspection
         self.graph_passes: list[GraphPass] = list(graph_passes)
+        self.telemetry = step_telemetry(config, self.graph_passes)
         self.extra_inputs: dict[str, Callable[[], Tensor]] = {}
         self.num_calls = 0
         self.process_group = _resolve_process_group(process_group)
@@ -405,8 +414,11 @@ def compile(
     Without a scaler or config the step runs in float32 without loss scaling; naming an
     ``fp16_type`` then lowers to it. ``mixed_precision=False`` keeps the step in float32.
 
-    ``graph_passes``: rewrites of the role-tagged AOT step graph run before ``apply_dls``
-    (see `CompiledStep`; ``dlspass.debug.faults.install_faults`` adds one). ``model``: the
+    ``graph_passes``: rewrites of the role-tagged AOT step graph run before ``apply_dls``, or
+    after it for a pass with ``pipeline_phase = "after_dls"`` (see `CompiledStep`;
+    ``dlspass.debug.faults.install_faults`` adds one). With the config's ``telemetry`` the
+    step counts, per scaled gradient and lowered op output, the amax and the values flushed,
+    subnormal and overflowing in ``fp16_type``, on the device: ``step.telemetry.read()``. ``model``: the
     graph names the parameters of ``model`` by its parameter names (``fc1.weight``) instead of
     ``group{i}.param{j}``, as ``capture_step`` does.
 

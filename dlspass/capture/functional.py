@@ -35,6 +35,7 @@ from dlspass.capture.step_pipeline import (
     graph_targets,
     param_targets,
 )
+from dlspass.capture.telemetry import step_telemetry
 from dlspass.config import DLSConfig, FP16Type, PrecisionMode
 from dlspass.errors import DLSPassError
 from dlspass.graph import roles
@@ -239,9 +240,14 @@ class CapturedStep:
     Hooks, as on ``dlspass.compile``'s step (`run_step_pipeline` runs both):
 
     - ``graph_passes``: callables ``pass(gm)`` that rewrite the role-tagged step graph in
-      place before the collectives and ``apply_dls`` (``dlspass.debug.faults`` adds one);
+      place before the collectives and ``apply_dls`` (``dlspass.debug.faults`` adds one), or
+      after ``apply_dls`` where the pass's ``pipeline_phase`` is ``"after_dls"``;
     - ``extra_inputs``: ``{target: provider}``. A pass may append placeholders (role
       ``input``, target ``target``); the graph then gets ``provider()`` for each at every call.
+
+    ``telemetry``: the ``dlspass.capture.telemetry.Telemetry`` the step feeds (the config's
+    ``telemetry=True`` adds one to ``graph_passes``, or the one passed there), or None;
+    ``step.telemetry.read()`` gives the last call's counts.
 
     Changing them takes effect at the next call, or at once with `rebuild` (which runs the
     pipeline again on the traced graph and, with ``compile``, compiles the result).
@@ -258,6 +264,7 @@ class CapturedStep:
         self.scaler = scaler
         self.compile = compile
         self.graph_passes: list[GraphPass] = list(graph_passes)
+        self.telemetry = step_telemetry(config, self.graph_passes)
         self.extra_inputs: dict[str, Callable[[], Tensor]] = {}
         self.num_calls = 0
         self._fopt = fopt
@@ -414,7 +421,10 @@ def capture_step(
     None: not given) merge into ``config`` by ``DLSConfig.with_overrides``, as in every entry
     point (without a config, naming an ``fp16_type`` asks for lowering to it). The returned
     step runs eagerly by default and through inductor with ``compile=True``. ``graph_passes``
-    rewrite the role-tagged step graph before DLS (see `CapturedStep`). With
+    rewrite the role-tagged step graph before DLS, or after it (``pipeline_phase``; see
+    `CapturedStep`). With the config's ``telemetry`` the step counts, per scaled gradient and
+    lowered op output, the amax and the values flushed, subnormal and overflowing in
+    ``fp16_type``, on the device: ``step.telemetry.read()``. With
     ``process_group`` (e.g. ``torch.distributed.group.WORLD``) the graph averages gradients
     over the group and agrees on the overflow flag with functional collectives, so one graph
     is one data-parallel step (``None``: no collectives): every rank captures the same step on

@@ -3,20 +3,26 @@
 Every front end that makes a whole training step (``capture_step``, ``dlspass.compile``, the
 ``.pt2`` transform) runs its step graph through `run_step_pipeline`::
 
-    tag -> pre-passes -> apply_dls -> post-passes -> verify -> write-back
+    tag -> pre-passes -> apply_dls -> post-passes -> after-DLS passes -> verify -> write-back
 
 - **tag**: the front end's own tagging, when its graph does not come tagged (``dlspass.compile``
   passes ``tag_aot_graph``; ``trace_step`` tags while it traces; a ``.pt2`` step is tagged by
   ``joint_to_step_graph``);
 - **pre-passes**: the user's ``graph_passes`` (fault injection is one), then, for a
   data-parallel step, ``AllReduceGradsPass``: both see the functional step graph before DLS, so
-  DLS unscales and checks the gradients they leave (averaged, or faulted). A pre-pass may append
-  placeholders (role ``input``); their targets come back to the front end, which feeds them
-  (from its ``extra_inputs`` or the pass object's own, `step_inputs`);
+  DLS unscales and checks the gradients they leave (averaged, or faulted). A graph pass may
+  append placeholders (role ``input``); their targets come back to the front end, which feeds
+  them (from its ``extra_inputs`` or the pass object's own, `step_inputs`);
 - **apply_dls**: the six DLS passes for the config (``precision_mode`` included), verified;
 - **post-passes**: ``AllReduceFlagPass`` (a dynamic scale agreed over the group);
-- **verify**: ``dlspass.verify`` again whenever a post-pass ran, so a rewrite after DLS that
-  breaks an invariant is caught in every front end alike;
+- **after-DLS passes**: the ``graph_passes`` whose ``pipeline_phase`` attribute is
+  ``"after_dls"`` (`AFTER_DLS`; the default, no attribute, is ``"before_dls"``), in their
+  order: they see the step as DLS and the lowering left it, its 16-bit ops included. The
+  numerics telemetry is one (``dlspass.capture.telemetry.Telemetry``, which
+  ``DLSConfig(telemetry=True)`` adds): it counts the lowered ops' outputs. A config asking for
+  telemetry without a telemetry hook to feed and read it (the ``.pt2`` transform) is refused;
+- **verify**: ``dlspass.verify`` again whenever a post-pass or an after-DLS pass ran, so a
+  rewrite after DLS that breaks an invariant is caught in every front end alike;
 - **write-back**: ``WriteUpdatesInPlacePass`` where the front end wants its updates written
   into its inputs (``dlspass.compile``). It comes after ``verify``, which reads the functional
   outputs: the ``copy_`` epilogue changes where an update lands, not what it is.
@@ -35,7 +41,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dlspass.config import DLSConfig
+from dlspass.capture.telemetry import Telemetry
+from dlspass.config import ConfigError, DLSConfig
 from dlspass.distributed import is_dtensor
 from dlspass.errors import InputRuntimeError
 from dlspass.graph import roles
@@ -47,6 +54,20 @@ from dlspass.passes.write_updates_in_place_pass import WriteUpdatesInPlacePass
 
 GraphPass = Callable[[fx.GraphModule], object]
 """A rewrite of the role-tagged step graph, in place (its return value is ignored)."""
+
+BEFORE_DLS = "before_dls"
+AFTER_DLS = "after_dls"
+PIPELINE_PHASES = (BEFORE_DLS, AFTER_DLS)
+"""Where a graph pass runs (its ``pipeline_phase`` attribute; none: `BEFORE_DLS`)."""
+
+
+def pipeline_phase(graph_pass: GraphPass) -> str:
+    """The phase ``graph_pass`` runs in (module docstring); an unknown one is a `ConfigError`."""
+    phase = getattr(graph_pass, "pipeline_phase", BEFORE_DLS)
+    if phase not in PIPELINE_PHASES:
+        raise ConfigError(f"graph_passes: {graph_pass!r} has pipeline_phase {phase!r}; expected one "
+                          f"of {', '.join(PIPELINE_PHASES)}")
+    return phase
 
 
 class StepCaptureError(InputRuntimeError):
@@ -101,16 +122,19 @@ def run_step_pipeline(
     """Rewrite the step graph ``gm`` in place (module docstring) and return it, with the
     targets of the placeholders ``graph_passes`` appended, in graph order. Each such target
     must be one of ``extra_inputs`` (what the front end can feed), else `StepCaptureError`."""
+    phases = [pipeline_phase(p) for p in graph_passes]
+    if config is not None and config.telemetry and not any(isinstance(p, Telemetry) for p in graph_passes):
+        # never silently without it: the user asked for counts
+        raise StepCaptureError("telemetry=True: this step front end has no telemetry buffer to feed "
+                               "and read (dlspass.compile and capture_step have; a .pt2 step file "
+                               "has not): set telemetry to false")
     if tag is not None:
         tag(gm)
     n_inputs = len(gm.graph.find_nodes(op="placeholder"))
-    for graph_pass in graph_passes:
-        graph_pass(gm)
-    added = [roles.target_of(n) for n in gm.graph.find_nodes(op="placeholder")[n_inputs:]]
-    missing = [t for t in added if t not in extra_inputs]
-    if missing:
-        raise StepCaptureError(f"a graph pass added input(s) {missing} that the step's extra_inputs "
-                               f"does not provide (it provides: {sorted(extra_inputs)})")
+    for graph_pass, phase in zip(graph_passes, phases, strict=True):
+        if phase == BEFORE_DLS:
+            graph_pass(gm)
+    added = _check_added(gm, n_inputs, extra_inputs)
     if data_parallel is not None:
         if roles.nodes_with_role(gm.graph, roles.BACKWARD_GRAD):
             # the gradients would be averaged after that code, which DDP's clip reads averaged
@@ -126,7 +150,13 @@ def run_step_pipeline(
     for graph_pass in post:
         graph_pass(gm)
         check_graph(gm)
-    if post:
+    after = [p for p, phase in zip(graph_passes, phases, strict=True) if phase == AFTER_DLS]
+    n_inputs = len(gm.graph.find_nodes(op="placeholder"))
+    for graph_pass in after:
+        graph_pass(gm)
+        check_graph(gm)
+    added += _check_added(gm, n_inputs, extra_inputs)
+    if post or after:
         verify(gm)
     if write_in_place:
         WriteUpdatesInPlacePass()(gm)
@@ -134,11 +164,22 @@ def run_step_pipeline(
     return gm, added
 
 
+def _check_added(gm: fx.GraphModule, n_inputs: int, extra_inputs: Collection[str]) -> list[str]:
+    """The targets of the placeholders after the first ``n_inputs`` (those graph passes added),
+    each one the front end can feed, else `StepCaptureError`."""
+    added = [roles.target_of(n) for n in gm.graph.find_nodes(op="placeholder")[n_inputs:]]
+    missing = [t for t in added if t not in extra_inputs]
+    if missing:
+        raise StepCaptureError(f"a graph pass added input(s) {missing} that the step's extra_inputs "
+                               f"does not provide (it provides: {sorted(extra_inputs)})")
+    return added
+
+
 def step_inputs(graph_passes: Sequence[GraphPass],
                 extra_inputs: Mapping[str, Callable[[], torch.Tensor]]) -> dict[str, Callable[[], torch.Tensor]]:
     """The input providers a front end feeds: its own ``extra_inputs``, and those a graph pass
     object brings for the placeholders it adds (its ``extra_inputs`` attribute, as
-    ``InsertTelemetryPass`` has), so ``graph_passes=[pass]`` needs no access to the step."""
+    ``dlspass.capture.telemetry.Telemetry`` has), so ``graph_passes=[pass]`` needs no access to the step."""
     inputs = dict(extra_inputs)
     for graph_pass in graph_passes:
         inputs.update(getattr(graph_pass, "extra_inputs", {}))

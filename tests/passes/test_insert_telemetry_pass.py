@@ -4,6 +4,9 @@ same tensors by rounding each value; the graph's other outputs are unchanged. (U
 
 from __future__ import annotations
 
+import math
+import operator
+
 import pytest
 import torch
 from numerics_reference import reference_counts
@@ -21,6 +24,7 @@ from dlspass.passes.insert_telemetry_pass import (
     buffer_node,
     telemetry_names,
 )
+from dlspass.precision_policy import PrecisionPolicy
 
 DLS = DLSConfig(mixed_precision=False, initial_loss_scale=2.0**10)
 
@@ -58,8 +62,8 @@ def test_counts_of_the_scaled_gradients_equal_eager_counting(fmt: str, scale: fl
     config = DLSConfig(mixed_precision=False, initial_loss_scale=scale, min_loss_scale=2.0**-40)
     step = mlp_step(config)
     plain = run(step)
-    result = InsertTelemetryPass(fmt)(step.gm)  # before the DLS passes, as graph_passes run
     apply_dls(step.gm, config)
+    result = InsertTelemetryPass(fmt)(step.gm)  # after the DLS passes, as the pipeline runs it
     placeholders = list(step.gm.graph.find_nodes(op="placeholder"))
     assert roles.target_of(placeholders[-1]) == BUFFER_TARGET
     names = telemetry_names(step.gm.graph)
@@ -83,21 +87,103 @@ def test_counts_of_the_scaled_gradients_equal_eager_counting(fmt: str, scale: fl
     assert torch.equal(out[i], plain["loss"])
 
 
-def test_lowered_op_outputs_are_counted_before_rounding() -> None:
-    config = DLSConfig(fp16_type="float16", initial_loss_scale=2.0**10, precision_mode="emulate")
-    step = gpt_step(config)
+def _key(row: dict[str, float]) -> dict[str, object]:
+    """A row with NaN spelled out, so that rows compare with ``==``."""
+    return {k: "nan" if math.isnan(v) else v for k, v in row.items()}
+
+
+def _count_by_cast(value: torch.Tensor, rounded_by_kernel: bool) -> dict[str, float]:
+    """Where ``value`` (float32) lands in float16, counted by casting it, with plain torch ops:
+    the reference the lowered rows are checked against. A kernel that rounded its output
+    itself (native) shows the cast value and no flush count."""
+    cast = value.to(torch.float16).to(torch.float32)
+    seen = cast if rounded_by_kernel else value
+    tiny = torch.finfo(torch.float16).tiny  # the smallest normal
+    return {"amax": seen.abs().max().item(),
+            "flushed": math.nan if rounded_by_kernel else float(((value != 0) & (cast == 0)).sum()),
+            "subnormal": float(((cast != 0) & (cast.abs() < tiny)).sum()),
+            "overflow": float(torch.isinf(cast).sum())}
+
+
+def _op_of(y):
+    return y.args[0] if y.target is operator.getitem else y
+
+
+def _recomputed(y, vals: dict) -> torch.Tensor:
+    """The lowered output ``y`` recomputed in eager, in float32, from the op's inputs as the
+    graph fed them (``vals``; the 16-bit ones widened): the op's own ATen kernel, called here."""
+    op = _op_of(y)
+
+    def f32(a):
+        if isinstance(a, torch.fx.Node):
+            v = vals[a]
+            return v.to(torch.float32) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        return a
+
+    args, kwargs = torch.fx.node.map_aggregate((op.args, op.kwargs), f32)
+    out = op.target(*args, **kwargs)
+    return out[y.args[1]] if op is not y else out
+
+
+@pytest.mark.parametrize("mode", ["emulate", "native"])
+@pytest.mark.parametrize("make_step", [mlp_step, gpt_step], ids=["mlp", "gpt"])
+def test_lowered_op_outputs_equal_recomputing_the_op_in_eager(mode: str, make_step) -> None:
+    """Every lowered op's output has a row, and the row equals recomputing the op in float32
+    from the same inputs, casting to float16 and counting; in native mode the kernel rounded
+    the output itself, so ``flushed`` is NaN (unknown) rather than a 0 that reads as none."""
+    config = DLSConfig(fp16_type="float16", precision_mode=mode, initial_loss_scale=2.0**-14,
+                       min_loss_scale=2.0**-20)
+    step = make_step(config)
     apply_dls(step.gm, config)
-    InsertTelemetryPass("float16")(step.gm)
+    InsertTelemetryPass("float16")(step.gm)  # after the lowering, as the step pipeline runs it
     names = telemetry_names(step.gm.graph)
     lowered = [n for n in names if n.startswith("lowered:")]
-    assert len(lowered) >= 4  # the GPT's matmuls, forward and backward
+    ops = [n for n in step.gm.graph.nodes if n.op == "call_function" and PrecisionPolicy().lowers(n.target)]
+    assert lowered and len(lowered) >= len(ops)  # forward and backward matmuls, each output once
     buffer = _buffer(step.gm)
     inputs = [*step.inputs(), buffer]
     with torch.no_grad():
         step.gm(*inputs)
-    values = node_values(step.gm, inputs, _watched_nodes(step.gm, names))
-    assert all(v.dtype == torch.float32 for v in values)
-    assert _read(names, buffer) == _by_name(names, values, "float16")
+    got = _read(names, buffer)
+    nodes = {f"lowered:{n.name}": n for n in step.gm.graph.nodes}
+    arg_nodes = list(dict.fromkeys(a for name in lowered for a in _op_of(nodes[name]).all_input_nodes))
+    vals = dict(zip(arg_nodes, node_values(step.gm, inputs, arg_nodes), strict=True))
+    for name in lowered:
+        y = nodes[name]
+        assert y.meta["val"].dtype == (torch.float16 if mode == "native" else torch.float32), name
+        want = _count_by_cast(_recomputed(y, vals), rounded_by_kernel=mode == "native")
+        assert _key(got[name]) == _key(want), name
+    assert sum(got[n]["subnormal"] for n in lowered) > 0
+    if mode == "emulate":
+        assert sum(got[n]["flushed"] for n in lowered) > 0
+
+
+@pytest.mark.parametrize("mode", ["emulate", "native"])
+def test_gradients_a_lowered_matmul_rounded_have_no_flush_count(mode: str) -> None:
+    """A weight's gradient comes out of a lowered matmul already rounded to float16 (by the
+    kernel, or by the emulation's rounding): what was flushed is gone, so ``flushed`` is NaN,
+    and the other counts are those of the gradient's values. A bias's gradient (a float32 sum)
+    keeps its flush count."""
+    config = DLSConfig(fp16_type="float16", precision_mode=mode, initial_loss_scale=2.0**-14,
+                       min_loss_scale=2.0**-20)
+    step = mlp_step(config)
+    apply_dls(step.gm, config)
+    InsertTelemetryPass("float16")(step.gm)
+    names = telemetry_names(step.gm.graph)
+    grads = [n for n in names if n.startswith("grad:")]
+    buffer = _buffer(step.gm)
+    inputs = [*step.inputs(), buffer]
+    with torch.no_grad():
+        step.gm(*inputs)
+    got = _read(names, buffer)
+    values = node_values(step.gm, inputs, _watched_nodes(step.gm, grads))
+    for name, v in zip(grads, values, strict=True):
+        is_weight = name.endswith(".weight")
+        assert torch.equal(v.to(torch.float16).to(v.dtype), v) or not is_weight  # rounded indeed
+        want = _count_by_cast(v.to(torch.float32), rounded_by_kernel=False)
+        if is_weight:
+            want["flushed"] = math.nan
+        assert _key(got[name]) == _key(want), name
 
 
 def test_a_second_run_changes_nothing_and_no_grad_is_refused() -> None:

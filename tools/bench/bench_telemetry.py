@@ -1,9 +1,9 @@
-"""Benchmark: the cost of in-graph numerics telemetry (``dlspass.debug.telemetry.Telemetry``).
+"""Benchmark: the cost of in-graph numerics telemetry (``DLSConfig(telemetry=True)``).
 
 TinyGPT (vocab 64, d 128, 2 layers, 2 heads, block 64; ``--small``: d 32), batch 16x64, AdamW,
-float16 lowered with a dynamic GradScaler, compiled with inductor by ``dlspass.compile``, with
-and without ``graph_passes=[Telemetry("float16")]`` (amax and the flushed / subnormal /
-overflow counts of every gradient and lowered op output, written into a device buffer).
+float16 lowered (native) with a dynamic scale, compiled with inductor by ``dlspass.compile``,
+with and without ``DLSConfig(telemetry=True)`` (amax and the flushed / subnormal / overflow
+counts of every gradient and lowered op output, written into a device buffer).
 Timed in interleaved repeats of ``--steps`` steps (medians). Goal (issue 24): telemetry / plain
 <= 1.05.
 
@@ -21,25 +21,17 @@ import time
 import torch
 
 import dlspass
-from dlspass.debug.telemetry import Telemetry
-from dlspass.models import TinyGPT, copy_task_batch, gpt_loss
+from dlspass.models import TinyGPT, copy_task_batch, gpt_train_step
 
 
-def _step(d: int, telemetry: Telemetry | None):
+def _step(d: int, telemetry: bool):
+    """The TinyGPT step (`dlspass.models.gpt_train_step`) compiled by ``dlspass.compile``,
+    float16 lowered with a dynamic scale; with ``telemetry`` the config asks for it."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=d, n_layer=2, n_head=2, block_size=64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def train_step(idx, tgt):
-        loss = gpt_loss(model, (idx, tgt))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    passes = [] if telemetry is None else [telemetry]
-    return dlspass.compile(train_step, optimizer=opt, scaler=dlspass.GradScaler(fp16_type="float16"),
-                           fp16_type="float16", graph_passes=passes)
+    config = dlspass.DLSConfig(fp16_type="float16", telemetry=telemetry)
+    return dlspass.compile(gpt_train_step(model, opt), optimizer=opt, config=config)
 
 
 def main() -> None:
@@ -50,8 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     d = 32 if args.small else 128
     idx, tgt = copy_task_batch(64, 16, 64, torch.Generator().manual_seed(0))
-    telemetry = Telemetry("float16")
-    steps = {"plain": _step(d, None), "telemetry": _step(d, telemetry)}
+    steps = {"plain": _step(d, False), "telemetry": _step(d, True)}
     compile_s = {}
     for name, step in steps.items():
         t0 = time.perf_counter()
@@ -64,7 +55,7 @@ def main() -> None:
             for _ in range(args.steps):
                 step(idx, tgt)
             times[name].append((time.perf_counter() - t0) / args.steps)
-    rows = telemetry.read()
+    rows = steps["telemetry"].telemetry.read()
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"TinyGPT d={d}, float16 + DLS, inductor, {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(rows)} watched tensors")
