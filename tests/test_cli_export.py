@@ -16,7 +16,7 @@ import torch
 
 from dlspass.capture.joint_step import step_graph
 from dlspass.capture.optim import OptimizerSpec
-from dlspass.capture.pt2_io import load_program
+from dlspass.capture.pt2_io import load_program, save_program
 from dlspass.config import DLSConfig
 from dlspass.graph import roles
 
@@ -105,6 +105,21 @@ def test_retransform_same_settings_is_idempotent_and_different_is_refused(tmp_pa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already a dlspass training step" in err
     assert not other.exists()
+
+
+def test_a_step_written_before_a_config_setting_existed_is_still_the_same_step(tmp_path, capsys):
+    """A step file whose recorded config lacks a setting added later (telemetry) is the step
+    the same settings build today: re-transforming it is a no-op, not a refusal."""
+    src = _fp32_step("mlp")
+    ep, meta = load_program(src)
+    assert meta["config"].pop("telemetry") is False
+    old = tmp_path / "old.pt2"
+    save_program(ep, old, meta)
+    again = tmp_path / "again.pt2"
+    flags, _ = OPTIMIZERS["mlp"]
+    assert cf.cli("transform", old, "-o", again, "--no-mixed-precision", "--config",
+                  cf.dls_yaml(), *flags) == 0, capsys.readouterr().err
+    assert [n.name for n in load_program(again)[0].graph.nodes] == [n.name for n in ep.graph.nodes]
 
 
 def test_cbfloat16_step_trains_and_verifies(tmp_path):

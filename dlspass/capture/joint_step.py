@@ -316,7 +316,10 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
         # a step whose metadata names no rounding calls the custom op
         have = {k: meta.get(k, "op" if k == "rounding" else None) for k in wanted}
         if isinstance(have["config"], dict):  # its mode is the one the file records as run
-            have["config"] = {**have["config"], "precision_mode": have["precision_mode"]}
+            # a setting DLSConfig gained after the file was written reads as its default: the
+            # behaviour the file was built with (telemetry off, say)
+            have["config"] = {**DLSConfig().to_dict(), **have["config"],
+                              "precision_mode": have["precision_mode"]}
         if json.dumps(have, sort_keys=True) == json.dumps(wanted, sort_keys=True):
             return ep, meta
         raise InputValueError(f"{source}: already a dlspass training step built with "
