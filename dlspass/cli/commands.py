@@ -355,7 +355,7 @@ def analyze(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")] = None,
     formats: Annotated[str | None, typer.Option("--formats", help="Comma-separated formats (default: all).")] = None,
     steps: Annotated[int, typer.Option("--steps", help="Calibration steps.")] = 1,
-    threshold: Annotated[float, typer.Option("--threshold", help="Largest fraction of a gradient allowed to flush to zero.")] = 1e-3,
+    threshold: Annotated[float, typer.Option("--threshold", help="Largest fraction of the model's parameter-gradient values allowed to flush to zero (dlspass.analyze's DEFAULT_THRESHOLD).")] = 0.005,
 ) -> None:
     """Does the model fit float16, bfloat16, cbfloat16, float8? The window of loss scales and a recommended initial_loss_scale per format, from float32 calibration steps.
 

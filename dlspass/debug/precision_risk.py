@@ -10,23 +10,35 @@ thresholds of ``format_ranges``:
 - activations at scale 1 (the loss scale does not reach the forward);
 - gradients (activation and parameter) at every loss scale 2^k, k in ``SCALE_EXPONENTS``.
 
-The window of a format is the range of k where no gradient overflows and no gradient tensor
-loses more than ``threshold`` of its non-zero values to zero. Overflow only grows with k and
-flushing only shrinks, so the window is an interval ``[lo, hi]``; the recommended initial loss
-scale is ``2^max(lo, hi - headroom)`` (``headroom`` powers of two below the first overflow:
-gradients grow during training, and a dynamic scaler grows the scale back by itself). The tensors
-that decide it are those that overflow at ``2^(hi+1)`` and those that lose too much at
-``2^(lo-1)``. Verdicts: ``fits`` (scale 1 is in the window), ``fits with DLS from 2^k``, ``does not
-fit: these tensors overflow in the forward: ...`` (forward values are not scaled, so no loss
-scale helps), ``does not fit: the gradients need more range than the format has``.
+The window of a format is the range of k where no gradient overflows and at most ``threshold``
+of all non-zero parameter-gradient values (every parameter together) flush to zero. What the
+optimizer is given decides training: an Adam-type update is normalised per element, so each
+parameter whose gradient flushes loses its update whatever its size, and the update's error
+grows with the fraction of parameters that lose it (flushed activation gradients count through
+the parameter gradients they feed, whose smallest values they are). The fraction is over the
+whole model, not per tensor: a tensor whose float32 gradient is only round-off (an attention
+key bias: the softmax does not depend on it) flushes entirely at any scale without changing
+training. ``DEFAULT_THRESHOLD`` is set from training runs (see there). Overflow only grows with
+k and flushing only shrinks, so the window is an interval ``[lo, hi]``; the recommended initial
+loss scale is ``2^max(lo, hi - headroom)`` (``headroom`` powers of two below the first
+overflow: gradients grow during training, and a dynamic scaler grows the scale back by
+itself). The tensors that decide it are those that overflow at ``2^(hi+1)`` and those that lose
+the most values at ``2^(lo-1)``. The lower edge can be a binade low where the scale is far
+below 1 (ViT in float16 at 2^-6: its activation gradients lose precision in the subnormals
+without flushing, which the count does not see); the recommended scale is far from it unless
+the window is narrow.
+
+Verdicts: ``fits`` (scale 1 is in the window), ``fits with DLS from 2^k``, ``does not fit: these
+tensors overflow in the forward: ...`` (forward values are not scaled, so no loss scale helps),
+``does not fit: the gradients need more range than the format has``.
 """
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import math
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +49,23 @@ from torch import Tensor, nn
 from dlspass.errors import DLSInputError
 from dlspass.format_ranges import RANGES, FormatRange, get_range
 
-__all__ = ["SCALE_EXPONENTS", "AnalyzeError", "Analysis", "Sample", "analyze", "calibrate",
-           "render"]
+__all__ = ["DEFAULT_THRESHOLD", "SCALE_EXPONENTS", "AnalyzeError", "Analysis", "Sample", "analyze",
+           "calibrate", "render"]
 
 SCALE_EXPONENTS = range(-30, 65)
 KINDS = ("activation", "activation_grad", "param_grad")
 GRAD_KINDS = ("activation_grad", "param_grad")
 SCHEMA_VERSION = 1
+# The largest fraction of the model's non-zero parameter-gradient values that may flush to
+# zero. Measured on the compatibility matrix's models (tools/compat/analyze_vs_training.py:
+# 10 AdamW steps in emulated float16 against float32, the matrix's tolerance 0.04), at the
+# lowest scales where training still works and the highest where it fails:
+#   ConvNeXt 0.74% at 2^11 works, 1.4% at 2^10 fails (0.043); BERT 0.74% at 2^0 works, 1.0% at
+#   2^-1 fails; GPT-2 0.86% at 2^-7, ViT 0.84% at 2^-7, MHA-GPT 0.98% at 2^-10, T5 0.92% and
+#   ResNet 0.87% at 2^-12 fail.
+# Every failure lost 0.84% or more, every success 0.74% or less; the threshold keeps a margin
+# below both (a window edge too low is silent wrong training, one too high costs a binade).
+DEFAULT_THRESHOLD = 0.005
 
 
 class AnalyzeError(DLSInputError, ValueError):
@@ -113,12 +135,14 @@ def calibrate(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
         def fwd(_m: nn.Module, _i: Any, out: Any, path: str = path) -> None:
             for t in _tensors(out):
                 acts.setdefault(path, []).append(t.detach().clone())
+                if t.requires_grad:
+                    # a hook on the output tensor, not a module backward hook: those wrap the
+                    # output in a view that a later in-place op (ResNet's `h += residual`)
+                    # may not modify; a tensor hook registered before such an op sees the
+                    # gradient of the value the module returned
+                    t.register_hook(functools.partial(_record, agrads.setdefault(path, [])))
 
-        def bwd(_m: nn.Module, _gi: Any, gout: Any, path: str = path) -> None:
-            for t in _tensors(gout):
-                agrads.setdefault(path, []).append(t.detach().clone())
-
-        handles += [mod.register_forward_hook(fwd), mod.register_full_backward_hook(bwd)]
+        handles.append(mod.register_forward_hook(fwd))
     n = 0
     try:
         for batch in batches:
@@ -129,10 +153,7 @@ def calibrate(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
             if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
                 raise AnalyzeError("loss_fn: expected a scalar loss that requires grad, got "
                                    f"{type(loss).__name__}")
-            with warnings.catch_warnings():
-                # the first module's input needs no gradient: its hook still sees grad_output
-                warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                loss.backward()
+            loss.backward()
             for name, p in model.named_parameters():
                 if p.grad is not None:
                     pgrads.setdefault(name, []).append(p.grad.detach().clone())
@@ -146,8 +167,12 @@ def calibrate(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
     if not pgrads:
         raise AnalyzeError("the model has no parameter gradient: nothing to analyze")
     return ([_sample(k, "activation", v) for k, v in acts.items()]
-            + [_sample(k, "activation_grad", v) for k, v in agrads.items()]
+            + [_sample(k, "activation_grad", v) for k, v in agrads.items() if v]
             + [_sample(k, "param_grad", v) for k, v in pgrads.items()])
+
+
+def _record(into: list[Tensor], grad: Tensor) -> None:
+    into.append(grad.detach().clone())
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -172,10 +197,25 @@ class FormatVerdict:
     underflow_deciders: list[str]
     at_recommended: list[dict[str, Any]] = field(default_factory=list)
 
+    def fits_at(self, exponent: int) -> bool:
+        """Whether training may start at loss scale ``2^exponent``: no forward overflow and
+        ``exponent`` in the window."""
+        return (not self.forward_overflow and self.window is not None
+                and self.window[0] <= exponent <= self.window[1])
+
     @property
     def recommended_initial_loss_scale(self) -> float | None:
         k = self.recommended_exponent
         return None if k is None else math.ldexp(1.0, k)
+
+
+def _flushed_fraction(grads: list[tuple[Sample, dict[str, float]]]) -> float:
+    """The fraction of all non-zero parameter-gradient values (every parameter together)
+    flushed to zero."""
+    params = [(s, f) for s, f in grads if s.kind == "param_grad"]
+    total = sum(s.magnitudes.numel() + s.infinite for s, _ in params)
+    lost = sum(f["flushed"] * (s.magnitudes.numel() + s.infinite) for s, f in params)
+    return lost / max(total, 1)
 
 
 def _judge(samples: list[Sample], r: FormatRange, threshold: float, headroom: int) -> FormatVerdict:
@@ -183,20 +223,19 @@ def _judge(samples: list[Sample], r: FormatRange, threshold: float, headroom: in
     fwd_over = [s.name for s in samples if s.kind == "activation" and s.fractions(r, 0)["overflow"] > 0]
     table = {k: [(s, s.fractions(r, k)) for s in grads] for k in SCALE_EXPONENTS}
     no_over = [k for k in SCALE_EXPONENTS if all(f["overflow"] == 0 for _, f in table[k])]
-    flush_ok = [k for k in SCALE_EXPONENTS if all(f["flushed"] <= threshold for _, f in table[k])]
+    flush_ok = [k for k in SCALE_EXPONENTS if _flushed_fraction(table[k]) <= threshold]
     hi = max(no_over) if no_over else None
     lo = min(flush_ok) if flush_ok else None
-    def names(k: int | None, key: str, limit: float) -> list[str]:
-        if k is None or k not in table:
-            return []
-        return [f"{s.kind}:{s.name}" for s, f in table[k] if f[key] > limit]
-    over_dec = names(None if hi is None else hi + 1, "overflow", 0.0)
-    under_dec = names(None if lo is None else lo - 1, "flushed", threshold)
+    over_dec = [] if hi is None or hi + 1 not in table else [
+        f"{s.kind}:{s.name}" for s, f in table[hi + 1] if f["overflow"] > 0]
+    under_dec = [] if lo is None or lo - 1 not in table else _most_flushed(table[lo - 1])
     window = (lo, hi) if lo is not None and hi is not None and lo <= hi else None
     rec = None if window is None else max(window[0], window[1] - headroom)
     if fwd_over:
         verdict, fits = f"does not fit: these tensors overflow in the forward: {', '.join(fwd_over)}", False
     elif window is None:
+        if lo is None:
+            under_dec = _most_flushed(table[SCALE_EXPONENTS.stop - 1])
         verdict, fits = ("does not fit: the gradients need more range than the format has "
                          f"(underflow: {', '.join(under_dec) or '-'}; overflow: {', '.join(over_dec) or '-'})"), False
     elif window[0] <= 0 <= window[1]:
@@ -208,6 +247,13 @@ def _judge(samples: list[Sample], r: FormatRange, threshold: float, headroom: in
         k = 0 if s.kind == "activation" or rec is None else rec
         at.append({"name": s.name, "kind": s.kind, "scale_exponent": k, **s.fractions(r, k)})
     return FormatVerdict(r.name, verdict, fits, window, rec, fwd_over, over_dec, under_dec, at)
+
+
+def _most_flushed(grads: list[tuple[Sample, dict[str, float]]], limit: int = 5) -> list[str]:
+    """The tensors that lose the most values to zero (by count), most first."""
+    lost = sorted(((f["flushed"] * (s.magnitudes.numel() + s.infinite), f"{s.kind}:{s.name}")
+                   for s, f in grads if f["flushed"] > 0), key=lambda t: -t[0])
+    return [name for _, name in lost[:limit]]
 
 
 @dataclass
@@ -251,7 +297,7 @@ def _range_json(r: FormatRange) -> dict[str, float]:
 def analyze(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor], batch: Any, *,
             steps: int = 1, batches: Iterable[Any] | None = None,
             optimizer: torch.optim.Optimizer | None = None,
-            formats: Sequence[str] = tuple(RANGES), threshold: float = 1e-3,
+            formats: Sequence[str] = tuple(RANGES), threshold: float = DEFAULT_THRESHOLD,
             headroom: int = 3) -> Analysis:
     """Calibrate ``model`` in float32 and judge each format (see the module docstring).
 

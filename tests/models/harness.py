@@ -495,3 +495,61 @@ def cells() -> list[tuple[str, str, str, bool]]:
             if entry in ACCUMULATING:
                 out.append((model, entry, "fp32", True))
     return out
+
+
+# ---- one cell started at another initial loss scale ---------------------------------------
+# (`dlspass.analyze`'s recommended scale against training: tests/test_analyze_vs_training.py and
+# tools/compat/analyze_vs_training.py)
+
+def config_at(fmt: str, init_scale: float) -> dlspass.DLSConfig:
+    """`config` of an emulated column with ``initial_loss_scale=init_scale``; the largest scale
+    is `MAX_SCALE` or twice ``init_scale`` if that is more, so that the scale can grow once in
+    the 10 steps as it does from `INIT_SCALE` (cbfloat16's recommended scales pass 2^24), the
+    smallest the presets' 2^-14 or half ``init_scale`` if that is less (it backs off once)."""
+    if fmt in NATIVE_FORMATS:
+        raise ValueError("config_at: the emulated columns only (fp32, float16, bfloat16, cbfloat16)")
+    return dlspass.DLSConfig(
+        loss_scale="dynamic", initial_loss_scale=init_scale, steps_per_increase=GROWTH_INTERVAL,
+        max_loss_scale=max(MAX_SCALE, 2 * init_scale), min_loss_scale=min(2.0**-14, init_scale / 2),
+        fp16_type="float16" if fmt == "fp32" else fmt,
+        mixed_precision=fmt != "fp32", precision_mode="emulate")
+
+
+def run_capture_step_at(case: zoo.Case, fmt: str, cfg: dlspass.DLSConfig) -> Trace:
+    """`run_capture_step` with ``cfg`` instead of ``config(fmt)``."""
+    opt = _optimizer(case.model)
+    step = dlspass.capture_step(case.model, case.loss_fn, opt, case.batch, config=cfg)
+    tr = Trace()
+    for i in range(STEPS):
+        (b,) = micro_batches(case, i, fmt, False)
+        _scaler_trace(tr, step.scaler, step(b))
+    tr.params = _params(case.model)
+    return tr
+
+
+def run_cell_at_scale(model: str, fmt: str, init_scale: float) -> CellResult:
+    """The ``capture_step`` cell of ``model`` in ``fmt`` (the cheapest entry point that lowers:
+    no dynamo, no inductor), started at ``init_scale`` and compared as `run_cell` compares it:
+    with the eager ``dlspass.GradScaler`` (float32 math) at the same config, `TOLERANCE`."""
+    res = CellResult(model, "capture_step", fmt, False, ok=False)
+    cfg = config_at(fmt, init_scale)
+    try:
+        got = run_capture_step_at(zoo.MODELS[model](), fmt, cfg)
+        ref_scaler = dlspass.GradScaler(config=cfg)
+        ref = _eager_loop(zoo.MODELS[model](), fmt, False, ref_scaler,
+                          lambda: int(ref_scaler.get_num_skipped_steps()))
+    except Exception as exc:  # what a user would see
+        res.reason = _one_line(exc)
+        return res
+    failures, err = compare(got, ref, initial_params(model), TOLERANCE[fmt])
+    res.ok, res.reason, res.update_error = not failures, "; ".join(failures), err
+    return res
+
+
+# Where training from the lowest scale `dlspass.analyze` allows (its window's lower edge) misses
+# the tolerance: the underflow threshold counts flushed parameter-gradient values, and ViT at
+# 2^-6 flushes only 0.34% of them (under the 0.5% threshold) yet its update misses by 0.048
+# (tolerance 0.04; 0.027 at 2^-2). Its activation gradients sit deep in float16's subnormals
+# there, which the count does not see. The edge is one binade too low; analyze's recommended
+# scale (2^13) and the matrix's 2^10 train.
+ANALYZE_EDGE_MISSES = {("vit", "float16"): "float16 subnormal precision at 2^-6, not counted"}

@@ -31,7 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "models"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import analyze_vs_training  # noqa: E402 - beside this file
 import harness  # noqa: E402
 import known  # noqa: E402
 
@@ -302,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         lock = threading.Lock()
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             list(pool.map(work, todo))
-    DOC.write_text(render(load_results(args.results), command.strip(), started, args.note))
+    text = render(load_results(args.results), command.strip(), started, args.note)
+    # the "analyze against training" section comes from analyze_vs_training.py's results
+    rows = analyze_vs_training.load(analyze_vs_training.RESULTS)
+    if rows:
+        text = analyze_vs_training.splice(text, analyze_vs_training.section(rows))
+    DOC.write_text(text)
     print(f"wrote {DOC}", file=sys.stderr)
     return 0
 
