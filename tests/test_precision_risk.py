@@ -217,3 +217,41 @@ def test_an_in_place_op_on_a_module_output_is_calibrated() -> None:
         want = (2 * (model.lin(x) + x)).abs().double().reshape(-1)
     want = torch.sort(want[want > 0]).values
     torch.testing.assert_close(g.magnitudes, want)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_cli_analyze_on_an_exported_joint_program_agrees_with_its_factory(name, capsys) -> None:
+    """The joint .pt2 run once on its example inputs gives the parameter gradients eager autograd
+    gives the factory's model on the same inputs, hence the same window per format."""
+    import cli_factories as cf
+
+    assert cli.run(["analyze", f"cli_factories:{name}", "--format", "json"]) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert cli.run(["analyze", str(cf.joint_file(name)), "--format", "json"]) == 0
+    joint = json.loads(capsys.readouterr().out)
+    jsonschema.validate(joint, SCHEMA)
+
+    def grads(report: dict) -> dict[str, tuple[int, float]]:
+        return {t["name"]: (t["count"], t["amax"]) for t in report["tensors"] if t["kind"] == "param_grad"}
+
+    want, got = grads(eager), grads(joint)
+    # export names the module's parameters as the factory's model does (the loss wrapper's path)
+    assert sorted(got) == sorted(want)
+    for k, (count, amax) in want.items():
+        assert got[k][0] == count and got[k][1] == pytest.approx(amax, rel=1e-5), k
+    assert {"activation", "activation_grad"} <= {t["kind"] for t in joint["tensors"]}
+    # the window's lower edge comes from the parameter gradients alone: the same; the program
+    # shows every backward value, not only module outputs' gradients, so it overflows no later
+    for fmt, verdict in eager["formats"].items():
+        (lo, hi), (jlo, jhi) = verdict["window"], joint["formats"][fmt]["window"]
+        assert jlo == lo and jhi <= hi, fmt
+
+
+def test_cli_analyze_refuses_a_transformed_step_in_one_line(capsys) -> None:
+    import cli_factories as cf
+
+    step = cf.step_file("mlp", ".pt2")
+    capsys.readouterr()
+    assert cli.run(["analyze", str(step)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a dlspass training step already" in err[0]

@@ -182,7 +182,7 @@ _OutputFile = Annotated[Path, typer.Option("--output", "-o", help="The .pt2 or .
 @_quiet_command
 def export(
     factory: Annotated[str, typer.Argument(
-        metavar="MODULE:FACTORY", help="FACTORY() returns (model, example_inputs); model(*inputs) is the loss.")],
+        metavar="MODULE:FACTORY|JOINT.pt2", help="FACTORY() returns (model, example_inputs); model(*inputs) is the loss. Or a joint program from `dlspass export`, run once on its example inputs.")],
     output: _OutputFile,
 ) -> None:
     """Export a loss model as a joint forward-backward program (loss and parameter gradients).
@@ -350,7 +350,7 @@ def inspect(
 @_quiet_command
 def analyze(
     factory: Annotated[str, typer.Argument(
-        metavar="MODULE:FACTORY", help="FACTORY() returns (model, example_inputs); model(*inputs) is the loss.")],
+        metavar="MODULE:FACTORY|JOINT.pt2", help="FACTORY() returns (model, example_inputs); model(*inputs) is the loss. Or a joint program from `dlspass export`, run once on its example inputs.")],
     fmt: Annotated[str, typer.Option("--format", help="text, json or html.")] = "text",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")] = None,
     formats: Annotated[str | None, typer.Option("--formats", help="Comma-separated formats (default: all).")] = None,
@@ -359,7 +359,7 @@ def analyze(
 ) -> None:
     """Does the model fit float16, bfloat16, cbfloat16, float8? The window of loss scales and a recommended initial_loss_scale per format, from float32 calibration steps.
 
-    Example: dlspass analyze mypkg.models:make --format html -o risk.html
+    Example: dlspass analyze mypkg.models:make --format html -o risk.html (or: dlspass analyze joint.pt2)
     """
     from dlspass.debug.analyze_command import run_analyze
 

@@ -50,7 +50,7 @@ from dlspass.errors import DLSInputError
 from dlspass.format_ranges import RANGES, FormatRange, get_range
 
 __all__ = ["DEFAULT_THRESHOLD", "SCALE_EXPONENTS", "AnalyzeError", "Analysis", "Sample", "analyze",
-           "calibrate", "render"]
+           "calibrate", "judge", "render", "sample"]
 
 SCALE_EXPONENTS = range(-30, 65)
 KINDS = ("activation", "activation_grad", "param_grad")
@@ -111,7 +111,8 @@ class Sample:
         return [[int(v), int(c)] for v, c in zip(vals, counts, strict=True)]
 
 
-def _sample(name: str, kind: str, tensors: list[Tensor]) -> Sample:
+def sample(name: str, kind: str, tensors: list[Tensor]) -> Sample:
+    """The `Sample` of ``tensors`` (one named tensor's values over the calibration steps)."""
     x = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
     a = x.abs()
     finite = torch.isfinite(a)
@@ -166,9 +167,9 @@ def calibrate(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor],
         raise AnalyzeError("batches: expected at least one calibration batch")
     if not pgrads:
         raise AnalyzeError("the model has no parameter gradient: nothing to analyze")
-    return ([_sample(k, "activation", v) for k, v in acts.items()]
-            + [_sample(k, "activation_grad", v) for k, v in agrads.items() if v]
-            + [_sample(k, "param_grad", v) for k, v in pgrads.items()])
+    return ([sample(k, "activation", v) for k, v in acts.items()]
+            + [sample(k, "activation_grad", v) for k, v in agrads.items() if v]
+            + [sample(k, "param_grad", v) for k, v in pgrads.items()])
 
 
 def _record(into: list[Tensor], grad: Tensor) -> None:
@@ -312,9 +313,16 @@ def analyze(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Tensor], batch
         raise AnalyzeError(f"headroom: expected an int >= 0, got {headroom!r}")
     ranges = [get_range(f) for f in formats]
     feed = list(batches) if batches is not None else [batch] * steps
-    samples = calibrate(model, loss_fn, feed, optimizer)
-    return Analysis(samples, [_judge(samples, r, float(threshold), headroom) for r in ranges],
-                    float(threshold), headroom, len(feed))
+    return judge(calibrate(model, loss_fn, feed, optimizer), formats=[r.name for r in ranges],
+                 threshold=threshold, headroom=headroom, steps=len(feed))
+
+
+def judge(samples: list[Sample], *, formats: Sequence[str] = tuple(RANGES),
+          threshold: float = DEFAULT_THRESHOLD, headroom: int = 3, steps: int = 1) -> Analysis:
+    """Each format's verdict on calibrated ``samples`` (from `calibrate`, or from a program's
+    values: ``dlspass.debug.analyze_program``)."""
+    return Analysis(samples, [_judge(samples, get_range(f), float(threshold), headroom) for f in formats],
+                    float(threshold), headroom, steps)
 
 
 # ---- rendering -------------------------------------------------------------------------------

@@ -1,0 +1,125 @@
+"""``dlspass analyze`` on an exported joint program (``.pt2`` from ``dlspass export``).
+
+The joint graph (forward, loss and backward) runs once in float32 under an FX ``Interpreter`` on
+the example inputs the program was exported with; every floating-point value it makes becomes a
+`precision_risk.Sample`: an *activation* upstream of the loss, an *activation gradient* downstream
+of the backward seed, a *parameter gradient* for each gradient output (named by its parameter).
+Exported joint graphs carry no module path, so a value is named by its node and, where the node
+reads a parameter, by that parameter's module (``addmm_1 (net.fc1)``). The verdicts are
+`precision_risk.judge`'s, as for a factory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from dlspass.capture.joint_step import joint_graph
+from dlspass.capture.pt2_io import load_program
+from dlspass.debug.precision_risk import AnalyzeError, Sample, sample
+from dlspass.graph.marks import MARK_OP
+from dlspass.passes.mark_seed_pass import joint_seeds
+
+
+def calibrate_program(path: Path) -> list[Sample]:
+    """The samples of one float32 run of the joint program at ``path`` on its example inputs."""
+    source = str(path)
+    ep, meta = load_program(path)
+    if meta is not None and meta.get("kind") == "step":
+        raise AnalyzeError(f"{source}: a dlspass training step already; analyze the joint program "
+                           "`dlspass export` wrote (or the factory)")
+    jg = joint_graph(ep, source)
+    example = ep.example_inputs
+    if example is None:
+        raise AnalyzeError(f"{source}: the program holds no example inputs to calibrate on")
+    user = [t for t in pytree.tree_leaves(example) if isinstance(t, Tensor)]
+    if len(user) != len(jg.inputs):
+        raise AnalyzeError(f"{source}: {len(user)} example input tensors for {len(jg.inputs)} "
+                           "graph inputs")
+    state = {**ep.state_dict, **ep.constants}
+    targets = _targets(jg)
+    values = [next(iter_user) if k == "input" else state[t]
+              for iter_user in [iter(user)] for k, t in zip(jg.kinds, targets, strict=True)]
+    graph = jg.gm.graph
+    placeholders = graph.find_nodes(op="placeholder")
+    param_of = {ph: t for ph, k, t in zip(placeholders, jg.kinds, targets, strict=True) if k == "param"}
+    (out,) = graph.find_nodes(op="output")
+    outputs = list(out.args[0])
+    loss = next(n for n, (k, _) in zip(outputs, jg.out_kinds, strict=True) if k == "loss")
+    forward = _ancestors(loss)
+    seeds = joint_seeds(graph, loss.name)
+    backward = _descendants(seeds)
+    grads = {n: t for n, (k, t) in zip(outputs, jg.out_kinds, strict=True) if k == "grad"}
+
+    seen: dict[fx.Node, Tensor] = {}
+
+    class _Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            result = super().run_node(n)
+            if n.op == "call_function" and isinstance(result, Tensor) and result.is_floating_point():
+                seen[n] = result.detach()
+            return result
+
+    with torch.no_grad():
+        _Recorder(jg.gm).run(*values)
+    samples = []
+    for n, t in seen.items():
+        if n in grads or n in seeds or n.target is MARK_OP:  # the seed is 1, not a gradient
+            continue
+        kind = "activation" if n in forward else "activation_grad" if n in backward else None
+        if kind is not None:
+            samples.append(sample(_name(n, param_of), kind, [t]))
+    for n, target in grads.items():
+        if isinstance(n, fx.Node) and n in seen:
+            samples.append(sample(target, "param_grad", [seen[n]]))
+    if not any(s.kind == "param_grad" for s in samples):
+        raise AnalyzeError(f"{source}: the program computes no parameter gradient: nothing to analyze")
+    return samples
+
+
+def _targets(jg: Any) -> list[str | None]:
+    params, buffers, consts = iter(jg.params), iter(jg.buffers), iter(jg.consts)
+    return [None if k == "input" else next({"param": params, "buffer": buffers, "const": consts}[k])
+            for k in jg.kinds]
+
+
+def _name(n: fx.Node, param_of: dict[fx.Node, str]) -> str:
+    """The node's name and the modules of the parameters it reads (through views)."""
+    mods = []
+    for a in n.all_input_nodes:
+        while a not in param_of and a.op == "call_function" and len(a.all_input_nodes) == 1 \
+                and a.target in _VIEWS:
+            a = a.all_input_nodes[0]
+        if a in param_of:
+            mods.append(param_of[a].rpartition(".")[0] or param_of[a])
+    return f"{n.name} ({', '.join(dict.fromkeys(mods))})" if mods else n.name
+
+
+_aten = torch.ops.aten
+_VIEWS = {_aten.t.default, _aten.permute.default, _aten.view.default, _aten.alias.default,
+          _aten.transpose.int, _aten.expand.default, _aten.reshape.default}
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    out, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo += n.all_input_nodes
+    return out
+
+
+def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
+    out, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo += list(n.users)
+    return out
