@@ -22,7 +22,8 @@ training. ``DEFAULT_THRESHOLD`` is set from training runs (see there). Overflow 
 k and flushing only shrinks, so the window is an interval ``[lo, hi]``; the recommended initial
 loss scale is ``2^max(lo, hi - headroom)`` (``headroom`` powers of two below the first
 overflow: gradients grow during training, and a dynamic scaler grows the scale back by
-itself). The tensors that decide it are those that overflow at ``2^(hi+1)`` and those that lose
+itself), or 1 where scale 1 is in the window and nothing overflows at any scale scanned
+(bfloat16's float32 range). The tensors that decide it are those that overflow at ``2^(hi+1)`` and those that lose
 the most values at ``2^(lo-1)``. The lower edge can be a binade low where the scale is far
 below 1 (ViT in float16 at 2^-6: its activation gradients lose precision in the subnormals
 without flushing, which the count does not see); the recommended scale is far from it unless
@@ -231,7 +232,12 @@ def _judge(samples: list[Sample], r: FormatRange, threshold: float, headroom: in
         f"{s.kind}:{s.name}" for s, f in table[hi + 1] if f["overflow"] > 0]
     under_dec = [] if lo is None or lo - 1 not in table else _most_flushed(table[lo - 1])
     window = (lo, hi) if lo is not None and hi is not None and lo <= hi else None
-    rec = None if window is None else max(window[0], window[1] - headroom)
+    if window is None:
+        rec = None
+    elif window[1] == SCALE_EXPONENTS.stop - 1 and window[0] <= 0:
+        rec = 0  # nothing overflows at any scale scanned (bfloat16): no loss scale is needed
+    else:
+        rec = max(window[0], window[1] - headroom)
     if fwd_over:
         verdict, fits = f"does not fit: these tensors overflow in the forward: {', '.join(fwd_over)}", False
     elif window is None:
