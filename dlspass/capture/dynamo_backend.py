@@ -1,18 +1,28 @@
 """The ``dlspass`` torch.compile backend: 16-bit lowering of forward and backward graphs.
 
 ``torch.compile(model, backend="dlspass", options={"fp16_type": "cbfloat16"})`` (registered
-through the ``torch_dynamo_backends`` entry point) runs AOTAutograd without decompositions and
-lowers the forward and the backward graph, each on its own, with
-``dlspass.passes.LowerPrecisionPass`` (the same pass ``apply_dls`` runs) in the config's
-precision mode: native 16-bit kernels (float16, bfloat16 by default; each graph's outputs keep
-their traced dtypes, so what the forward saves for the backward crosses in float32), or the
-emulated format, rounded with ``dlspass::round_to_format`` and then decomposed into fusable
-int32 bit ops (``DecomposeForInductorPass``); the graph goes to inductor. Loss scaling stays in the eager
-``dlspass.GradScaler``. The backend is a `DLSBackend` object, which keeps the graphs it rewrote.
+through the ``torch_dynamo_backends`` entry point) runs AOTAutograd (with inductor's
+decompositions for inductor) and lowers it with ``dlspass.passes.LowerPrecisionPass`` (the same
+pass ``apply_dls`` runs) in the config's precision mode:
+
+- native 16-bit kernels (float16, bfloat16 by default): the joint forward-backward graph is
+  lowered before it is partitioned (after inductor's joint-graph passes), so the partitioner
+  chooses what the forward saves for the backward among the lowered values and the saved
+  activations are 16-bit where the lowering made them 16-bit, as under autocast and as in a
+  ``dlspass.compile`` step; the forward's outputs to the user and the gradients keep their
+  traced dtypes. An inference graph (no gradients) is lowered on its own.
+- the emulated format: the forward and the backward graph are lowered each on its own after
+  partitioning, rounded with ``dlspass::round_to_format`` (float32 values, so what crosses
+  between them is float32 either way) and then decomposed into fusable int32 bit ops
+  (``DecomposeForInductorPass``).
+
+The graphs go to inductor (or run eagerly). Loss scaling stays in the eager
+``dlspass.GradScaler``. The backend is a `DLSBackend` object, which keeps the forward and
+backward graphs it rewrote.
 
 ``make_backend(scaler=...)`` returns a backend that also scales the backward seed
 (``tangents_1``) by the scaler's loss scale and unscales and checks the gradients inside the
-backward graph (``dlspass.passes.scale_backward_pass.ScaleBackwardPass``, the
+partitioned backward graph (``dlspass.passes.scale_backward_pass.ScaleBackwardPass``, the
 ``dlspass.scale_policy`` math the scaler runs eagerly). The scale enters and the overflow flag leaves through an extra placeholder and
 output that a boxed wrapper threads (no host sync): the flag lands in
 ``scaler.backend_found_finite`` (a 0-d bool tensor) for the scaler's ``step``/``update``. The
@@ -194,8 +204,9 @@ def _inductor_context(example_inputs: list[Any], build: Callable[[], Callable]) 
 
 
 class DLSBackend:
-    """A ``torch.compile`` backend: AOTAutograd, each forward and backward graph lowered to 16
-    bits, then inductor (or eager); with a scaler, also the loss scaling of the backward.
+    """A ``torch.compile`` backend: AOTAutograd, its graphs lowered to 16 bits (native: the
+    joint graph before it is partitioned; emulate: the forward and backward graphs), then
+    inductor (or eager); with a scaler, also the loss scaling of the backward.
 
     ``graphs`` holds the AOT graphs this backend rewrote, newest last (for inspection, like
     ``CompiledStep.graphs``); each call of ``torch.compile``'d code that compiles adds its
@@ -232,7 +243,8 @@ class DLSBackend:
                 return self._lower(g, ex, lowered=True)
             return self._scale_and_lower(g, ex, lowered=True)
 
-        return aot_backend(gm, example_inputs, fw, bw, self.backend_compiler, joint_rewrite=lower_joint)
+        return aot_backend(gm, example_inputs, fw, bw, self.backend_compiler,
+                           joint_rewrite=lower_joint)
 
     def _lowering(self) -> LowerPrecisionPass:
         return LowerPrecisionPass(self.config.fp16_type, self.config.lowering_mode)
