@@ -156,10 +156,11 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
         kwargs = {"decompositions": table, "partition_fn": cfx.partition_fn}
         if joint_rewrite is not None:
             # inductor's partition_fn runs its joint-graph passes, then (the override) the
-            # rewrite and inductor's min-cut partitioner
-            min_cut = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+            # rewrite and the partitioner it would run (min-cut, unless configured otherwise)
+            partitioner = inductor_config.custom_partitioner_fn or min_cut_rematerialization_partition
             kwargs["partition_fn"] = functools.partial(
-                cfx.partition_fn, partitioner_fn_override=_after(joint_rewrite, min_cut))
+                cfx.partition_fn, partitioner_fn_override=_after(
+                    joint_rewrite, functools.partial(partitioner, compiler="inductor")))
     kwargs["keep_inference_input_mutations"] = mutations_in_graph and backend_compiler != "eager"
 
     def compiler(rewrite: Rewrite, is_backward: bool, is_inference: bool = False) -> Callable:
