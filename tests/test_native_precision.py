@@ -4,7 +4,7 @@ The step graph of a GPT built on ``nn.MultiheadAttention`` runs its matmuls and 
 16 bits, keeps what autocast keeps in float32, saves 16-bit activations for the backward, and
 trains with the skipped steps and scales of ``torch.autocast`` + ``torch.amp.GradScaler`` on the
 same model and data, through ``capture_step``, ``dlspass.compile``, ``backend="dlspass"`` and
-``make_backend`` (whose AOT forward and backward graphs are lowered separately).
+``make_backend`` (which lower AOTAutograd's joint graph before it is partitioned).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,7 +243,7 @@ class _Loss(nn.Module):
 
 def _train_backend(fmt: str, make: bool) -> tuple[list[tuple[float, int]], dict[str, Tensor]]:
     """``backend="dlspass"`` (the eager scaler scales) or ``make_backend(scaler=)`` (the backward
-    graph scales): AOTAutograd's forward and backward graphs, each lowered on its own."""
+    graph scales): AOTAutograd's joint graph lowered, then partitioned into forward and backward."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     scaler = dlspass.GradScaler(config=_config(fmt))
@@ -265,6 +266,167 @@ def _train_backend(fmt: str, make: bool) -> tuple[list[tuple[float, int]], dict[
         assert len(backend.graphs) == 2  # one forward, one backward graph
         _assert_16_bit_matmuls(backend.graphs, fmt)
     return trace, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+# ---- backend="dlspass" and make_backend: the joint graph lowered before it is partitioned -------
+
+def _backend_graphs(fmt: str, make: bool, mode: str = "native", backend_compiler: str = "eager",
+                    ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, dict[str, Tensor]]:
+    """The AOT forward and backward graphs of one training step of ``_loss_through_fp32_ops``
+    through ``backend="dlspass"`` (the eager scaler scales) or ``make_backend(scaler=)``, and the
+    gradients it left."""
+    from dlspass.capture import dynamo_backend
+
+    model = _model()
+    scaler = dlspass.GradScaler(config=dlspass.DLSConfig(fp16_type=fmt))
+    torch._dynamo.reset()
+    made: list[dynamo_backend.DLSBackend] = []
+
+    class Recording(dynamo_backend.DLSBackend):  # what backend="dlspass" builds, kept
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    opts = {"fp16_type": fmt, "precision_mode": mode, "backend_compiler": backend_compiler}
+    if make:
+        backend = dlspass.make_backend(scaler=scaler, **opts)
+        cmodel = torch.compile(_LossThroughFP32Ops(model), backend=backend)
+    else:
+        cmodel = torch.compile(_LossThroughFP32Ops(model), backend="dlspass", options=opts)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dynamo_backend, "DLSBackend", Recording)
+        loss = cmodel(*_batch(0))
+    (loss if make else scaler.scale(loss)).backward()
+    if make:
+        assert bool(scaler.backend_found_finite)
+        made.append(backend)
+    (backend,) = made
+    fw, bw = backend.graphs  # one forward and one backward graph
+    unscale = 1.0 if make else float(scaler.get_scale())  # the eager scaler scaled the loss
+    grads = {k: p.grad / unscale for k, p in model.named_parameters()}
+    return fw, bw, grads
+
+
+class _LossThroughFP32Ops(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *batch: Tensor) -> Tensor:
+        return _loss_through_fp32_ops(self.model, batch)
+
+
+# the ops through which a saved value reaches a backward kernel: views, and the lowering's casts
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+          aten.permute.default, aten.transpose.int, aten.expand.default, aten.clone.default,
+          aten.detach.default, aten.alias.default, torch.ops.prims.convert_element_type.default}
+
+
+def _saved_for_backward(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
+                        ) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Autograd's saved activations: the forward's outputs beyond its user outputs that the
+    backward takes as inputs (AOTAutograd hands over the saved tensors in order: the last tensor
+    outputs of the forward are the backward's inputs before its tangents), computed from the
+    batch (the token ids), each with the backward input it becomes. The parameters and their
+    16-bit copies are left out, as ``_saved_activations`` leaves them out of the captured step."""
+    taken = [n for n in bw.graph.find_nodes(op="placeholder")
+             if isinstance(n.meta.get("val"), Tensor) and "tangents" not in n.name]
+    outs = [o for o in fw.graph.output_node().args[0]
+            if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), Tensor)]
+    pairs = list(zip(outs[len(outs) - len(taken):], taken, strict=True))
+    for saved, read in pairs:
+        assert _dtype(saved) == _dtype(read), (saved.name, read.name)
+    from_batch = {n for n in fw.graph.find_nodes(op="placeholder")
+                  if isinstance(n.meta.get("val"), Tensor)
+                  and not n.meta["val"].is_floating_point()}
+    for n in fw.graph.nodes:
+        if any(a in from_batch for a in n.all_input_nodes):
+            from_batch.add(n)
+    return [(saved, read) for saved, read in pairs
+            if saved.op == "call_function" and saved in from_batch]
+
+
+def _kernels_reading(value: torch.fx.Node) -> list[torch.fx.Node]:
+    """The 16-bit kernels (LOW_OPS) that read ``value``, directly or through views and casts."""
+    found, frontier = [], [value]
+    while frontier:
+        n = frontier.pop()
+        for u in n.users:
+            if u.target in LOW_OPS:
+                found.append(u)
+            elif u.target in _VIEWS and u.args[0] is n:
+                frontier.append(u)
+    return found
+
+
+@pytest.mark.parametrize(("fmt", "make", "backend_compiler"), [
+    pytest.param("float16", False, "eager", id="backend-float16"),
+    pytest.param("bfloat16", False, "eager", id="backend-bfloat16"),
+    pytest.param("float16", True, "eager", id="make_backend-float16"),
+    pytest.param("bfloat16", True, "eager", id="make_backend-bfloat16"),
+    # inductor, the backends' default compiler: its joint-graph passes and min-cut partitioner
+    # (two cold compiles, about 140 s on the shared CPUs)
+    pytest.param("float16", True, "inductor", id="make_backend-float16-inductor",
+                 marks=pytest.mark.slow)])
+def test_backend_saves_16_bit_activations_and_fewer_bytes_than_emulation(
+        fmt: str, make: bool, backend_compiler: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AOT forward saves 16-bit activations for the backward, as autocast does: the joint
+    graph is lowered before it is partitioned (lowered apart, the forward's outputs would keep
+    their traced float32 and native mode would save as many bytes as emulation)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    fw, bw, grads = _backend_graphs(fmt, make, backend_compiler=backend_compiler)
+    native = _saved_for_backward(fw, bw)
+    emulated = _saved_for_backward(*_backend_graphs(fmt, make, "emulate", backend_compiler)[:2])
+    nbytes = [_nbytes([saved for saved, _ in pairs]) for pairs in (native, emulated)]
+    assert nbytes[0] < 0.85 * nbytes[1], nbytes
+    assert any(_dtype(saved) == HALF[fmt] for saved, _ in native)
+    # every saved value a backward matmul or attention kernel reads is 16-bit
+    read = 0
+    for saved, bw_input in native:
+        if (saved.target is operator.getitem and saved.args[0].target in LOW_OPS
+                and saved.args[1] == 1):
+            continue  # the attention's logsumexp: float32 under autocast too
+        if saved.meta["val"].is_floating_point() and _kernels_reading(bw_input):
+            read += 1
+            assert _dtype(saved) == HALF[fmt], (saved.name, _dtype(saved))
+    assert read >= 8, read  # per layer: q, k, v, the attention's output, the matmuls' inputs
+    if backend_compiler != "eager":  # inductor's code computes the gradients eager's graphs do
+        _, _, want = _backend_graphs(fmt, make)
+        for k, g in grads.items():
+            torch.testing.assert_close(g, want[k], rtol=2e-2, atol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("make", [False, True], ids=["backend", "make_backend"])
+def test_backend_keeps_autocast_float32_ops_and_dls_in_float32(fmt: str, make: bool) -> None:
+    """Lowered as one joint graph, the forward and backward still run what autocast keeps in
+    float32 (softmax, layer norm, losses, reductions, exp, pow) and make_backend's DLS math in
+    float32, the matmuls and attention in 16 bits, and hand the user and autograd their traced
+    float32 (the loss, the gradients)."""
+    fw, bw, _ = _backend_graphs(fmt, make)
+    half = HALF[fmt]
+    seen, low_seen = set(), set()
+    for gm in (fw, bw):
+        for n in gm.graph.nodes:
+            if n.op != "call_function":
+                continue
+            packet = getattr(n.target, "_opname", None)
+            vals = [x for x in [*n.all_input_nodes, n] if x.meta.get("val") is not None]
+            if packet in FP32_PACKETS or roles.role_of(n) in DLS_ROLES:
+                seen.add(packet if packet in FP32_PACKETS else roles.role_of(n))
+                assert not [x.name for x in vals if _dtype(x) == half], (n.name, n.target)
+            if n.target in LOW_OPS:
+                low_seen.add(n.target)
+                outs = n.meta["val"] if isinstance(n.meta["val"], tuple) else (n.meta["val"],)
+                assert outs[0].dtype == half, n.name
+    dls = {roles.SCALED_SEED, roles.UNSCALE, roles.ISFINITE} if make else set()
+    assert seen == FP32_PACKETS | dls, (FP32_PACKETS | dls) ^ seen
+    assert low_seen == LOW_OPS
+    # the loss, and the gradients of the float32 parameters (and make_backend's finite flag)
+    assert _dtype(fw.graph.output_node().args[0][0]) == torch.float32
+    grads = [g for g in bw.graph.output_node().args[0] if isinstance(g, torch.fx.Node)]
+    assert grads and all(_dtype(g) in (torch.float32, torch.bool) for g in grads)
 
 
 # Relative to the update, two correct implementations differ by the format's rounding (float16

@@ -1,18 +1,28 @@
 """The ``dlspass`` torch.compile backend: 16-bit lowering of forward and backward graphs.
 
 ``torch.compile(model, backend="dlspass", options={"fp16_type": "cbfloat16"})`` (registered
-through the ``torch_dynamo_backends`` entry point) runs AOTAutograd without decompositions and
-lowers the forward and the backward graph, each on its own, with
-``dlspass.passes.LowerPrecisionPass`` (the same pass ``apply_dls`` runs) in the config's
-precision mode: native 16-bit kernels (float16, bfloat16 by default; each graph's outputs keep
-their traced dtypes, so what the forward saves for the backward crosses in float32), or the
-emulated format, rounded with ``dlspass::round_to_format`` and then decomposed into fusable
-int32 bit ops (``DecomposeForInductorPass``); the graph goes to inductor. Loss scaling stays in the eager
-``dlspass.GradScaler``. The backend is a `DLSBackend` object, which keeps the graphs it rewrote.
+through the ``torch_dynamo_backends`` entry point) runs AOTAutograd (with inductor's
+decompositions for inductor) and lowers it with ``dlspass.passes.LowerPrecisionPass`` (the same
+pass ``apply_dls`` runs) in the config's precision mode:
+
+- native 16-bit kernels (float16, bfloat16 by default): the joint forward-backward graph is
+  lowered before it is partitioned (after inductor's joint-graph passes), so the partitioner
+  chooses what the forward saves for the backward among the lowered values and the saved
+  activations are 16-bit where the lowering made them 16-bit, as under autocast and as in a
+  ``dlspass.compile`` step; the forward's outputs to the user and the gradients keep their
+  traced dtypes. An inference graph (no gradients) is lowered on its own.
+- the emulated format: the forward and the backward graph are lowered each on its own after
+  partitioning, rounded with ``dlspass::round_to_format`` (float32 values, so what crosses
+  between them is float32 either way) and then decomposed into fusable int32 bit ops
+  (``DecomposeForInductorPass``).
+
+The graphs go to inductor (or run eagerly). Loss scaling stays in the eager
+``dlspass.GradScaler``. The backend is a `DLSBackend` object, which keeps the forward and
+backward graphs it rewrote.
 
 ``make_backend(scaler=...)`` returns a backend that also scales the backward seed
 (``tangents_1``) by the scaler's loss scale and unscales and checks the gradients inside the
-backward graph (``dlspass.passes.scale_backward_pass.ScaleBackwardPass``, the
+partitioned backward graph (``dlspass.passes.scale_backward_pass.ScaleBackwardPass``, the
 ``dlspass.scale_policy`` math the scaler runs eagerly). The scale enters and the overflow flag leaves through an extra placeholder and
 output that a boxed wrapper threads (no host sync): the flag lands in
 ``scaler.backend_found_finite`` (a 0-d bool tensor) for the scaler's ``step``/``update``. The
@@ -23,6 +33,7 @@ overflow in any of them skips the step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -83,13 +94,18 @@ Rewrite = Callable[[fx.GraphModule, list[Any]], tuple[list[Any], Callable[[Calla
 
 def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewrite,
                 bw_rewrite: Rewrite, backend_compiler: str, *, mutations_in_graph: bool = True,
-                inductor_config_extra: dict[str, Any] | None = None) -> Callable:
+                inductor_config_extra: dict[str, Any] | None = None,
+                joint_rewrite: Callable[[fx.GraphModule], object] | None = None) -> Callable:
     """AOTAutograd over dynamo's graph, each AOT graph rewritten, then compiled.
 
     ``mutations_in_graph``: an inference graph keeps its input mutations as ``copy_`` nodes
     (inductor's own setting); False returns them as outputs (the step graph's contract, which
     ``tag_aot_graph`` reads). ``inductor_config_extra``: settings inductor compiles the graphs with,
-    besides ``dlspass.formats.INDUCTOR_CONFIG``.
+    besides ``dlspass.formats.INDUCTOR_CONFIG``. ``joint_rewrite``: a rewrite, in place, of the
+    joint forward-backward graph of a training graph before it is partitioned (after inductor's
+    joint-graph passes), so the partitioner chooses what to save among the rewritten values;
+    the joint graph's outputs (the forward's and the gradients) must keep their traced
+    dtypes. An inference graph has no joint graph: only ``fw_rewrite`` sees it.
 
     For inductor this is inductor's own hand-off (``compile_fx``'s aot path): the joint graph
     is traced once with inductor's decompositions and partitioner, and the rewritten forward
@@ -101,12 +117,16 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
     """
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     kwargs: dict[str, Any] = {}
     if backend_compiler == "eager":
         def compile_graph(g: fx.GraphModule, ex: list[Any], is_backward: bool,
                           is_inference: bool) -> Callable:
             return make_boxed_func(g.forward)
+
+        if joint_rewrite is not None:  # aot_autograd's own default partitioner after it
+            kwargs["partition_fn"] = _after(joint_rewrite, default_partition)
     else:
         from torch._inductor import compile_fx as cfx
         from torch._inductor import config as inductor_config
@@ -134,6 +154,13 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
         kept = (*roles.SEED_OPS, torch.ops.aten.empty_like.default)
         table = {op: fn for op, fn in select_decomp_table().items() if op not in kept}
         kwargs = {"decompositions": table, "partition_fn": cfx.partition_fn}
+        if joint_rewrite is not None:
+            # inductor's partition_fn runs its joint-graph passes, then (the override) the
+            # rewrite and the partitioner it would run (min-cut, unless configured otherwise)
+            partitioner = inductor_config.custom_partitioner_fn or min_cut_rematerialization_partition
+            kwargs["partition_fn"] = functools.partial(
+                cfx.partition_fn, partitioner_fn_override=_after(
+                    joint_rewrite, functools.partial(partitioner, compiler="inductor")))
     kwargs["keep_inference_input_mutations"] = mutations_in_graph and backend_compiler != "eager"
 
     def compiler(rewrite: Rewrite, is_backward: bool, is_inference: bool = False) -> Callable:
@@ -160,6 +187,15 @@ def _compiler_config_extra(cfx: Any, gm: fx.GraphModule, inductor_config: Any) -
     return cfx.create_compiler_config_extra(inductor_config if first == "config" else gm)
 
 
+def _after(joint_rewrite: Callable[[fx.GraphModule], object], partition: Callable) -> Callable:
+    """A ``partition_fn``: ``partition`` of the joint graph once ``joint_rewrite`` rewrote it."""
+    def run(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        joint_rewrite(joint)
+        return partition(joint, joint_inputs, **kwargs)
+
+    return run
+
+
 def _inductor_context(example_inputs: list[Any], build: Callable[[], Callable]) -> Callable:
     """``build()`` inside the context inductor's ``_compile_fx_main`` sets up around its aot
     call (inductor's joint-graph passes read the fake mode from ``V``)."""
@@ -179,8 +215,9 @@ def _inductor_context(example_inputs: list[Any], build: Callable[[], Callable]) 
 
 
 class DLSBackend:
-    """A ``torch.compile`` backend: AOTAutograd, each forward and backward graph lowered to 16
-    bits, then inductor (or eager); with a scaler, also the loss scaling of the backward.
+    """A ``torch.compile`` backend: AOTAutograd, its graphs lowered to 16 bits (native: the
+    joint graph before it is partitioned; emulate: the forward and backward graphs), then
+    inductor (or eager); with a scaler, also the loss scaling of the backward.
 
     ``graphs`` holds the AOT graphs this backend rewrote, newest last (for inspection, like
     ``CompiledStep.graphs``); each call of ``torch.compile``'d code that compiles adds its
@@ -193,18 +230,52 @@ class DLSBackend:
         self.graphs: list[fx.GraphModule] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        bw = self._lower if self.scaler is None else self._scale_and_lower
-        return aot_backend(gm, example_inputs, self._lower, bw, self.backend_compiler)
+        config = self.config
+        if not (config.mixed_precision and config.lowering_mode == "native"):
+            bw = self._lower if self.scaler is None else self._scale_and_lower
+            return aot_backend(gm, example_inputs, self._lower, bw, self.backend_compiler)
+        # Native: a training graph is lowered as one joint graph before it is partitioned, so
+        # what the forward saves for the backward is 16-bit where the lowering made it so (a
+        # forward lowered on its own would hand its backward the traced float32 values). Its
+        # forward and backward then are lowered already; an inference graph, which has no
+        # joint graph, is lowered on its own.
+        joint_lowered = False
 
-    def _lower(self, gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[Any], Callable]:
-        if self.config.mixed_precision:
-            LowerPrecisionPass(self.config.fp16_type, self.config.lowering_mode)(gm)
+        def lower_joint(g: fx.GraphModule) -> None:
+            nonlocal joint_lowered
+            self._lowering()(g)
+            joint_lowered = True
+
+        def fw(g: fx.GraphModule, ex: list[Any]) -> tuple[list[Any], Callable]:
+            return self._lower(g, ex, lowered=joint_lowered)
+
+        def bw(g: fx.GraphModule, ex: list[Any]) -> tuple[list[Any], Callable]:
+            if self.scaler is None:
+                return self._lower(g, ex, lowered=True)
+            return self._scale_and_lower(g, ex, lowered=True)
+
+        return aot_backend(gm, example_inputs, fw, bw, self.backend_compiler,
+                           joint_rewrite=lower_joint)
+
+    def _lowering(self) -> LowerPrecisionPass:
+        return LowerPrecisionPass(self.config.fp16_type, self.config.lowering_mode)
+
+    def _lower(self, gm: fx.GraphModule, example_inputs: list[Any],
+               lowered: bool = False) -> tuple[list[Any], Callable]:
+        """``gm`` lowered (unless it comes ``lowered`` from a lowered joint graph) and kept."""
+        if self.config.mixed_precision and not lowered:
+            self._lowering()(gm)
         self.graphs.append(gm)
         return example_inputs, lambda compiled: compiled
 
-    def _scale_and_lower(self, gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[Any], Callable]:
+    def _scale_and_lower(self, gm: fx.GraphModule, example_inputs: list[Any],
+                         lowered: bool = False) -> tuple[list[Any], Callable]:
         """The backward graph takes the scale as one more input and returns the finite flag as
-        one more output (``ScaleBackwardPass``); the wrapper feeds the one and keeps the other."""
+        one more output (``ScaleBackwardPass``); the wrapper feeds the one and keeps the other.
+
+        The scaling reads the backward's float32 tangents and gradients (every lowering keeps a
+        graph's inputs and outputs in their traced dtypes), so it is the same whether the graph
+        is lowered after it (emulate) or came ``lowered`` from the joint graph (native)."""
         scaler = self.scaler
         # No scaler.scale(loss) is called (the seed is scaled here), and that is where torch.amp
         # sets its scale up: set it up on the gradients' device before the graph reads it.
@@ -212,7 +283,7 @@ class DLSBackend:
         if device is not None:
             scaler._lazy_init_scale_growth_tracker(device)
         ScaleBackwardPass(self.config)(gm)
-        example_inputs, _ = self._lower(gm, example_inputs)
+        example_inputs, _ = self._lower(gm, example_inputs, lowered)
 
         def wrap(inner: Callable) -> Callable:
             def run(args: list[Any]) -> Any:
