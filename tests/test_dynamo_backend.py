@@ -442,3 +442,18 @@ def test_inductor_compile_settings_come_from_the_signature_torch_has() -> None:
     assert got == [sentinel, gm]
     # and torch's own (2.13) accepts the graph module
     assert dynamo_backend._compiler_config_extra(cfx, gm, sentinel).cudagraphs is not None
+
+
+@pytest.mark.parametrize("how", ["options", "make_backend"])
+def test_telemetry_in_the_config_is_refused_not_ignored(how: str) -> None:
+    config = dlspass.DLSConfig(fp16_type="float16", telemetry=True)
+    msg = "telemetry=True is not supported by backend='dlspass'"
+    if how == "make_backend":
+        with pytest.raises(ConfigError, match=msg):
+            dlspass.make_backend(scaler=dlspass.GradScaler(config=config))
+        return
+    torch._dynamo.reset()
+    # raised while dynamo compiles: torch's documented wrapper, the dlspass error inside it
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=msg) as info:
+        torch.compile(torch.nn.Linear(2, 2), backend="dlspass", options={"config": config})(torch.randn(1, 2))
+    assert isinstance(info.value.inner_exception, ConfigError)
