@@ -252,14 +252,7 @@ def _scaler_trace(tr: Trace, scaler: dlspass.GradScaler, loss: Tensor) -> None:
 def run_capture_step(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
     if accumulate:
         raise ValueError("capture_step traces one backward per step")
-    opt = _optimizer(case.model)
-    step = dlspass.capture_step(case.model, case.loss_fn, opt, case.batch, config=config(fmt))
-    tr = Trace()
-    for i in range(STEPS):
-        (b,) = micro_batches(case, i, fmt, False)
-        _scaler_trace(tr, step.scaler, step(b))
-    tr.params = _params(case.model)
-    return tr
+    return run_capture_step_at(case, fmt, config(fmt))
 
 
 def run_compile(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
