@@ -131,7 +131,7 @@ def tag_backward_grads(graph: fx.Graph, seed: fx.Node) -> None:
     (``torch._dynamo.polyfills.accumulate_grad``, ``.grad`` being None: ``zero_grad`` sets it
     so); the first such node after the seed is backward's.
     """
-    after_seed = _descendants(seed)
+    after_seed = roles.descendants([seed])
     stored: dict[str | None, fx.Node] = {}  # parameter name -> backward's store
     for node in after_seed:
         empty = node.args[0] if node.target is torch.ops.aten.copy.default else None
@@ -150,15 +150,6 @@ def tag_backward_grads(graph: fx.Graph, seed: fx.Node) -> None:
         # untagged when the optimizer reads it unchanged: then it is the GRAD node itself
         if roles.role_of(node) is None:
             roles.set_role(node, roles.BACKWARD_GRAD, name)
-
-
-def _descendants(node: fx.Node) -> dict[fx.Node, None]:
-    """``node`` and every node that reads it, directly or not, in graph order."""
-    seen = {node}
-    for n in node.graph.nodes:
-        if n not in seen and any(a in seen for a in n.all_input_nodes):
-            seen.add(n)
-    return {n: None for n in node.graph.nodes if n in seen}
 
 
 def _make_step_rewrite(step: CompiledStep) -> dynamo_backend.Rewrite:

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from dlspass.capture.joint_step import joint_graph
 from dlspass.capture.pt2_io import load_program
 from dlspass.debug.precision_risk import AnalyzeError, Sample, sample
+from dlspass.graph import roles
 from dlspass.graph.marks import MARK_OP
 from dlspass.passes.mark_seed_pass import joint_seeds
 
@@ -51,9 +52,9 @@ def calibrate_program(path: Path) -> list[Sample]:
     (out,) = graph.find_nodes(op="output")
     outputs = list(out.args[0])
     loss = next(n for n, (k, _) in zip(outputs, jg.out_kinds, strict=True) if k == "loss")
-    forward = _ancestors(loss)
+    forward = roles.ancestors([loss])
     seeds = joint_seeds(graph, loss.name)
-    backward = _descendants(seeds)
+    backward = roles.descendants(seeds)
     grads = {n: t for n, (k, t) in zip(outputs, jg.out_kinds, strict=True) if k == "grad"}
 
     seen: dict[fx.Node, Tensor] = {}
@@ -103,23 +104,3 @@ def _name(n: fx.Node, param_of: dict[fx.Node, str]) -> str:
 _aten = torch.ops.aten
 _VIEWS = {_aten.t.default, _aten.permute.default, _aten.view.default, _aten.alias.default,
           _aten.transpose.int, _aten.expand.default, _aten.reshape.default}
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    out, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo += n.all_input_nodes
-    return out
-
-
-def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
-    out, todo = set(), list(nodes)
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo += list(n.users)
-    return out

@@ -223,3 +223,16 @@ def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
         seen.add(node)
         stack.extend(node.all_input_nodes)
     return seen
+
+
+def descendants(nodes: Iterable[fx.Node]) -> dict[fx.Node, None]:
+    """``nodes`` and every node that reads one of them, directly or not, in graph order (one
+    pass over the graph: a node's inputs come before it)."""
+    seen = set(nodes)
+    graph = next(iter(seen)).graph if seen else None
+    if graph is None:
+        return {}
+    for n in graph.nodes:
+        if n not in seen and any(a in seen for a in n.all_input_nodes):
+            seen.add(n)
+    return {n: None for n in graph.nodes if n in seen}
