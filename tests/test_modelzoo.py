@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from pathlib import Path
 
@@ -314,45 +313,52 @@ def test_config_error_is_value_error_and_from_dict_source():
         DLSConfig.from_dict([1])  # type: ignore[arg-type]
 
 
-# ---- real Model Zoo configs ---------------------------------------------------------------------
-# tests/data/modelzoo holds unmodified params.yaml files of Cerebras Model Zoo releases R_1.6.0 ..
-# Release_2.10.0 (Apache-2.0), read from the public index at the commits MANIFEST.yaml names; the
-# expected values there come from each release's own code (the `sources` of every entry).
-MODELZOO = DATA / "modelzoo"
-MANIFEST = yaml.safe_load((MODELZOO / "MANIFEST.yaml").read_text(encoding="utf-8"))
-CASES = [(entry, release) for entry in MANIFEST["files"] for release in entry["releases"]]
+# ---- Model Zoo configs, as facts ----------------------------------------------------------------
+# tests/data/modelzoo_facts.yaml records, for 42 public Cerebras/modelzoo params.yaml files of
+# releases R_1.6.0 .. Release_2.10.0 (repository, path and commit named per fact), the precision keys
+# each carries in its layout and what each release's Model Zoo code does with them (`expected`,
+# with the code named in `expected_from`). Each test writes the minimal config of a fact into a
+# Model Zoo-shaped folder and reads it back through DLSConfig.from_yaml.
+FACTS_FILE = DATA / "modelzoo_facts.yaml"
+FACTS = yaml.safe_load(FACTS_FILE.read_text(encoding="utf-8"))["facts"]
+FACT = {fact["id"]: fact for fact in FACTS}
+CASES = [(fact, release) for fact in FACTS for release in fact["releases"]]
 
 
-def _git_blob_id(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+def _fact_file(root: Path, fact_id: str) -> Path:
+    """Write a fact's minimal config at <root>/<release>/<path in the Model Zoo tree>."""
+    fact = FACT[fact_id]
+    path = root / fact["release"] / fact["source"]["path"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(fact["config"], sort_keys=False), encoding="utf-8")
+    return path
 
 
-def test_manifest_covers_enough_real_configs():
-    files = MANIFEST["files"]
-    releases = {release for entry in files for release in entry["releases"]}
-    assert len(files) >= 40 and len(releases) >= 8
-    assert {entry["layout"] for entry in files} == {"current", "legacy"}
-    assert MANIFEST["license"] == "Apache-2.0"
-    on_disk = {p.relative_to(MODELZOO).as_posix() for p in MODELZOO.rglob("*.yaml")} - {"MANIFEST.yaml"}
-    assert on_disk == {entry["file"] for entry in files}
+def test_the_facts_cover_both_layouts_and_name_their_sources():
+    assert len(FACTS) == 42 and len(CASES) == 106  # one fact per Model Zoo file the suite covers
+    assert len(FACT) == len(FACTS)
+    assert len({release for fact in FACTS for release in fact["releases"]}) >= 8
+    assert {fact["layout"] for fact in FACTS} == {"current", "legacy"}
+    paths = [(fact["source"]["commit"], fact["source"]["path"]) for fact in FACTS]
+    assert len(set(paths)) == len(paths)
+    for fact in FACTS:
+        source = fact["source"]
+        assert source["repo"] == "Cerebras/modelzoo" and len(source["commit"]) == 40, fact["id"]
+        assert source["path"].endswith(".yaml") and len(source["blob"]) == 40, fact["id"]
+        assert fact["release"] in fact["releases"], fact["id"]
+        assert set(fact["expected_from"]) <= set(fact["expected"]), fact["id"]
+        assert set(fact.get("expected_by_release", {})) <= set(fact["releases"]) - {fact["release"]}
+        # the layout is decided by the nesting the config keeps: trainer.init, else the sections
+        assert ("trainer" in fact["config"]) is (fact["layout"] == "current"), fact["id"]
 
 
-@pytest.mark.parametrize("entry", MANIFEST["files"], ids=lambda e: e["file"])
-def test_real_config_is_the_indexed_file(entry):
-    # The file is byte-identical to the blob of the public repository at the recorded commit.
-    data = (MODELZOO / entry["file"]).read_bytes()
-    assert _git_blob_id(data) == entry["origin"]["blob"]
-    assert entry["origin"]["repo"] == "Cerebras/modelzoo" and len(entry["origin"]["commit"]) == 40
-    assert entry["release"] in entry["releases"] and set(entry["sources"]) <= set(entry["expected"])
-    assert set(entry.get("expected_by_release", {})) <= set(entry["releases"]) - {entry["release"]}
-
-
-@pytest.mark.parametrize(("entry", "release"), CASES, ids=[f"{e['file']}@{r}" for e, r in CASES])
-def test_real_config_matches_what_its_release_does(entry, release):
-    exp = {**entry["expected"], **entry.get("expected_by_release", {}).get(release, {})}
+@pytest.mark.parametrize(("fact", "release"), CASES, ids=[f"{f['id']}@{r}" for f, r in CASES])
+def test_model_zoo_config_facts_match_what_each_release_does(fact, release, tmp_path):
+    exp = {**fact["expected"], **fact.get("expected_by_release", {}).get(release, {})}
+    path = _fact_file(tmp_path, fact["id"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = config_from_yaml(MODELZOO / entry["file"], modelzoo_release=release, modelzoo_model=entry["model"])
+        cfg = config_from_yaml(path, modelzoo_release=release, modelzoo_model=fact["model"])
     dropped = [w for w in caught if "is dropped: the half format is bfloat16" in str(w.message)]
     assert len(dropped) == (1 if exp.get("dls_dropped_for_bfloat16") else 0)
     assert len(caught) == len(dropped)
@@ -370,29 +376,38 @@ def test_real_config_matches_what_its_release_does(entry, release):
         assert cfg.dynamic
         assert (cfg.init_scale, cfg.max_scale, cfg.min_scale, cfg.growth_interval) == (
             exp["init_scale"], exp["max_scale"], exp["min_scale"], exp["steps_per_increase"])
+    # The checkout-shaped path names the same model where Model Zoo keeps the file directly in
+    # <model>/configs/ (a subfolder such as gpt3/configs/muP/ names none), and reads the same.
+    inferred = model_from_path(path)
+    assert inferred in (fact["model"], None)
+    if inferred is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert config_from_yaml(path, modelzoo_release=release) == cfg
 
 
-def test_real_configs_without_a_release_read_as_the_newest_or_a_2_0_file():
+def test_model_zoo_configs_without_a_release_read_as_the_newest_or_a_2_0_file(tmp_path):
     # gemma2 (2.10, no fp16_type): bfloat16 without scaling, with a warning, as Model Zoo 2.10 does.
     with pytest.warns(UserWarning, match="is dropped"):
-        cfg = DLSConfig.from_yaml(str(MODELZOO / "Release_2.10.0/gemma2/params_gemma2_27b_msl8k.yaml"))
+        cfg = DLSConfig.from_yaml(str(_fact_file(tmp_path, "Release_2.10.0/gemma2/params_gemma2_27b_msl8k")))
     assert cfg.fp16_type == "bfloat16" and not cfg.enabled and cfg.log_loss_scale is True
     # A file with model.use_bfloat16 is read with the rules of 2.0, the last release that reads it.
-    cfg = DLSConfig.from_yaml(str(MODELZOO / "Release_2.0.2/btlm/params_btlm_2p7b_2k.yaml"))
+    cfg = DLSConfig.from_yaml(str(_fact_file(tmp_path, "Release_2.0.2/btlm/params_btlm_2p7b_2k")))
     assert cfg.fp16_type == "bfloat16" and cfg.log_loss_scale is False
     assert cfg.extras["precision_opt_level"] == 1
 
 
-def test_release_specific_keys_are_refused_where_model_zoo_refuses_them():
-    path = MODELZOO / "Release_2.0.2/btlm/params_btlm_2p7b_2k.yaml"
+def test_release_specific_keys_are_refused_where_model_zoo_refuses_them(tmp_path):
+    path = _fact_file(tmp_path, "Release_2.0.2/btlm/params_btlm_2p7b_2k")
     # half_dtype.py of Release_2.1.0 raises KeyError on model.use_bfloat16.
     with pytest.raises(ConfigError, match=r"model\.use_bfloat16: Model Zoo 2\.1 rejects this key"):
         config_from_yaml(path, modelzoo_release="Release_2.1.0")
     # run_cstorch_flow.py of Release_2.1.0 raises on model.precision_opt_level.
     with pytest.raises(ConfigError, match=r"model\.precision_opt_level: Model Zoo 2\.1 no longer reads it"):
-        config_from_yaml(MODELZOO / "R_1.7.1/gpt3/params_gpt3_xl.yaml", modelzoo_release="2.1")
+        config_from_yaml(_fact_file(tmp_path, "R_1.7.1/gpt3/params_gpt3_xl"), modelzoo_release="2.1")
     with pytest.raises(ConfigError, match="the trainer layout needs Model Zoo 2.3 or later"):
-        config_from_yaml(MODELZOO / "Release_2.5.0/bert/bert_base_classifier_mnli.yaml", modelzoo_release="2.2")
+        config_from_yaml(_fact_file(tmp_path, "Release_2.5.0/bert/bert_base_classifier_mnli"),
+                         modelzoo_release="2.2")
     with pytest.raises(ConfigError, match="modelzoo_release: expected a release such as"):
         config_from_yaml(path, modelzoo_release="latest")
     with pytest.raises(ConfigError, match="predates R_1.6.0"):
