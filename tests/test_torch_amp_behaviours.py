@@ -370,7 +370,8 @@ def test_scale_trajectory_follows_the_update_rule(factory):
 def _sparse_grad(values: list[float], dtype: torch.dtype, scale: float) -> torch.Tensor:
     """An uncoalesced COO gradient of shape (3, 4): indices (0, 1) and (2, 3) appear twice."""
     idx = torch.tensor([[0, 2, 0, 1, 2], [1, 3, 1, 0, 3]])
-    return torch.sparse_coo_tensor(idx, torch.tensor(values) * scale, (3, 4), dtype=dtype)
+    return torch.sparse_coo_tensor(idx, torch.tensor(values) * scale, (3, 4), dtype=dtype,
+                                   check_invariants=True)
 
 
 SPARSE_CASES = {
@@ -419,16 +420,15 @@ def test_unscale_of_sparse_gradients(factory, case):
         assert_bit_equal(p_ref, -dense, "control: one SGD step, lr 1")
 
 
-def test_float16_sparse_duplicates_overflow_only_coalesced(factory):
+@pytest.mark.parametrize("name", ["torch.amp", "TorchGradScaler"])
+def test_float16_sparse_duplicates_overflow_only_coalesced(name):
     """A float16 sparse gradient whose duplicated entries sum past float16's maximum (65504)
     overflows only once coalesced: torch.amp's unscaling coalesces float16 sparse gradients
     first and so finds it. Reached through the private ``_unscale_grads_`` (the one path that
     takes float16 gradients), which TorchGradScaler inherits from torch; dlspass.GradScaler
-    refuses sparse gradients in any dtype (`test_unscale_of_sparse_gradients`)."""
-    name, make = factory
-    if name == POLICY_TORCH:
-        pytest.skip("dlspass.GradScaler has no _unscale_grads_ and refuses sparse gradients: "
-                    "test_unscale_of_sparse_gradients[...GradScaler-policy-torch] asserts it")
+    refuses sparse gradients in any dtype (`test_unscale_of_sparse_gradients` asserts it), so
+    it is not run here."""
+    make = FACTORIES[name]
     for values, expect in (([4e4, 1.0, 4e4, 2.0, 3.0], 1.0), ([1e4, 1.0, 1e4, 2.0, 3.0], 0.0)):
         found = []
         for sc in (torch.amp.GradScaler("cpu"), make("cpu")):
@@ -830,7 +830,8 @@ def test_optimizer_that_handles_the_scale_itself(factory, protocol):
     name, make = factory
     cls = _KwargProtocolOptimizer if protocol == "grad_scaler-kwarg" else _ProtocolOptimizer
     outcomes = []
-    for sc in (torch.amp.GradScaler("cpu", init_scale=16.0), make("cpu", init_scale=16.0)):
+    control = torch.amp.GradScaler("cpu", init_scale=16.0)
+    for sc in (control, make("cpu", init_scale=16.0)):
         p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
         opt = cls([p], lr=0.5)
         for i in range(3):
@@ -839,6 +840,8 @@ def test_optimizer_that_handles_the_scale_itself(factory, protocol):
             if i == 1:
                 p.grad[0] = float("inf")
             is_amp = isinstance(sc, torch.amp.GradScaler)
+            # TorchGradScaler is a torch.amp.GradScaler for isinstance; dlspass.GradScaler is not
+            assert is_amp == (sc is control or name != POLICY_TORCH)
             with warnings.catch_warnings(record=True) as rec:
                 warnings.simplefilter("always")
                 sc.step(opt)
