@@ -112,6 +112,20 @@ def poison(model: torch.nn.Sequential) -> None:
         model[2].weight.grad[0, 1] = float("inf")
 
 
+def finish_iteration(scaler: Any, model: torch.nn.Sequential, opt: torch.optim.Optimizer,
+                     poisoned: bool, skip: bool) -> None:
+    """An iteration's end after backward: plain training (no scaler) steps unless ``skip``;
+    with a scaler, the gradient is poisoned on the poisoned iteration, then step and update."""
+    if scaler is None:
+        if not skip:
+            opt.step()
+        return
+    if poisoned:
+        poison(model)
+    scaler.step(opt)
+    scaler.update()
+
+
 def snapshot(models: list[torch.nn.Module], opts: list[torch.optim.Optimizer]) -> list[Any]:
     """Parameters, gradients and optimizer state, copied (tensors kept as tensors)."""
     out: list[Any] = []
@@ -532,10 +546,7 @@ def _autocast_recipe(scaler, models, opts, x, y, poisoned, skip):
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(forward(model, x).float(), y)
     scaler.scale(loss).backward()
-    if poisoned:
-        poison(model)
-    scaler.step(opt)
-    scaler.update()
+    finish_iteration(scaler, model, opt, poisoned, skip)
 
 
 @pytest.mark.parametrize(("info", "impl"), list(_opt_variants()))
@@ -643,56 +654,46 @@ def test_growth_never_overflows_the_scale(factory):
 MAX_NORM = 0.25  # below the gradients' norm on most iterations: clipping acts
 
 
-def _clip_scaled_recipe(scaler, models, opts, x, y, poisoned, skip):
-    """Clipping the still-scaled gradients to the threshold times the scale."""
-    (model,), (opt,) = models, opts
-    opt.zero_grad()
-    loss = loss_of(model, x, y)
-    if scaler is None:
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        if not skip:
-            opt.step()
-        return
-    scaler.scale(loss).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM * scale_of(scaler))
-    if poisoned:
-        poison(model)
-    scaler.step(opt)
-    scaler.update()
-
-
-def _clip_unscaled_recipe(scaler, models, opts, x, y, poisoned, skip):
-    """unscale_ first, then clip the true gradients to the threshold."""
-    (model,), (opt,) = models, opts
-    opt.zero_grad()
-    loss = loss_of(model, x, y)
-    if scaler is None:
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        if not skip:
-            opt.step()
-        return
-    scaler.scale(loss).backward()
-    if poisoned:
-        poison(model)
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, error_if_nonfinite=False)
-    scaler.step(opt)
-    scaler.update()
+def _clip_recipe(separate_unscale: bool) -> Recipe:
+    """Clip the gradients' norm to `MAX_NORM`: after ``unscale_``, or (without it) the still
+    scaled gradients to the threshold times the scale."""
+    def recipe(scaler, models, opts, x, y, poisoned, skip):
+        (model,), (opt,) = models, opts
+        opt.zero_grad()
+        loss = loss_of(model, x, y)
+        if scaler is None:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if not skip:
+                opt.step()
+            return
+        scaler.scale(loss).backward()
+        if poisoned:
+            poison(model)
+        if separate_unscale:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM,
+                                           error_if_nonfinite=False)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM * scale_of(scaler),
+                                           error_if_nonfinite=False)
+        scaler.step(opt)
+        scaler.update()
+    return recipe
 
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_clipping_scaled_gradients(factory, enabled):
     """Clip before unscaling: equal to the control bit for bit. Not compared with plain
     training: clip_grad_norm_'s 1e-6 added to the norm does not scale with the loss scale."""
-    check_against_control(factory, _clip_scaled_recipe, enabled=enabled, plain_is_exact=False)
+    check_against_control(factory, _clip_recipe(separate_unscale=False), enabled=enabled,
+                          plain_is_exact=False)
 
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_clipping_after_separate_unscale(factory, enabled):
     """unscale_, clip, step: equal to the control and to plain clipped training bit for bit."""
-    check_against_control(factory, _clip_unscaled_recipe, enabled=enabled)
+    check_against_control(factory, _clip_recipe(separate_unscale=True), enabled=enabled)
 
 
 def _penalty_recipe(scaler, models, opts, x, y, poisoned, skip):
@@ -709,16 +710,8 @@ def _penalty_recipe(scaler, models, opts, x, y, poisoned, skip):
         grads = [g * inv for g in torch.autograd.grad(scaler.scale(loss), params,
                                                       create_graph=True)]
     total = loss + torch.sqrt(sum(g.pow(2).sum() for g in grads))
-    if scaler is None:
-        total.backward()
-        if not skip:
-            opt.step()
-        return
-    scaler.scale(total).backward()
-    if poisoned:
-        poison(model)
-    scaler.step(opt)
-    scaler.update()
+    (total if scaler is None else scaler.scale(total)).backward()
+    finish_iteration(scaler, model, opt, poisoned, skip)
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -733,14 +726,7 @@ def _accumulation_recipe(scaler, models, opts, x, y, poisoned, skip):
     for xs, ys in ((x[:3], y[:3]), (x[3:], y[3:])):
         loss = loss_of(model, xs, ys) / 2
         (loss if scaler is None else scaler.scale(loss)).backward()
-    if scaler is None:
-        if not skip:
-            opt.step()
-        return
-    if poisoned:
-        poison(model)
-    scaler.step(opt)
-    scaler.update()
+    finish_iteration(scaler, model, opt, poisoned, skip)
 
 
 @pytest.mark.parametrize("enabled", [True, False])
