@@ -13,10 +13,16 @@ keeps the workers on 127.0.0.1, the launcher's environment variables (``MASTER_*
 ``PET_*`` flags, ``TORCHELASTIC_*``) are not inherited from the caller, and on a timeout the
 whole process group (torchrun and its workers) is killed, not torchrun alone, so no orphaned
 worker keeps running beside the next test.
+
+Each rank's output is read from its own file, never from the launcher's shared stdout (where two
+ranks' lines can run together): the final results from the ``rank<N>.json`` files the script
+writes with ``--result-dir``, and rank 0's step lines from its own stdout file (torchrun's
+``--log-dir`` with ``--redirects 3``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -60,11 +66,25 @@ def _launch_env() -> dict[str, str]:
     return env
 
 
+def _rank_stdout(log_dir: Path, local_rank: int) -> str:
+    """The stdout torchrun redirected for ``local_rank``: <log-dir>/<run id>/attempt_0/<rank>/."""
+    files = sorted(log_dir.glob(f"*/attempt_*/{local_rank}/stdout.log"))
+    assert len(files) == 1, files
+    return files[0].read_text()
+
+
+def _logs(log_dir: Path) -> str:
+    """Every file torchrun wrote, for a failure message."""
+    return "\n".join(f"--- {f}\n{f.read_text()[-2000:]}" for f in sorted(log_dir.rglob("*.log")))
+
+
 @pytest.mark.timeout(TIMEOUT_S + 60)
-def test_example_runs_under_torchrun_on_two_gloo_ranks() -> None:
+def test_example_runs_under_torchrun_on_two_gloo_ranks(tmp_path: Path) -> None:
+    results, logs = tmp_path / "results", tmp_path / "logs"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--local-addr", "127.0.0.1", "--nproc-per-node", "2", str(SCRIPT),
-           "--steps", str(STEPS), "--inject-inf-at", str(INJECT_AT)]
+           "--local-addr", "127.0.0.1", "--nproc-per-node", "2",
+           "--log-dir", str(logs), "--redirects", "3", str(SCRIPT),
+           "--steps", str(STEPS), "--inject-inf-at", str(INJECT_AT), "--result-dir", str(results)]
     proc = subprocess.Popen(cmd, env=_launch_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     try:
@@ -72,16 +92,19 @@ def test_example_runs_under_torchrun_on_two_gloo_ranks() -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
         stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s:\n{(stdout + stderr)[-4000:]}")
-    out = stdout + stderr
-    assert proc.returncode == 0, out[-4000:]
-    done = re.findall(r"done rank (\d) skipped (\d+) checksum (\S+) final_loss (\S+)", out)
-    assert sorted(d[0] for d in done) == ["0", "1"], out[-4000:]
-    assert len({d[1] for d in done}) == 1  # both ranks skipped the same number of steps
-    assert len({d[2] for d in done}) == 1  # and hold identical parameters
-    steps = re.findall(r"step (\d+) loss (\S+) scale (\S+) stepped (True|False)", out)
+        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s:\n{(stdout + stderr)[-4000:]}"
+                    f"\n{_logs(logs)}")
+    assert proc.returncode == 0, (stdout + stderr)[-4000:] + _logs(logs)
+    done = [json.loads((results / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [d["rank"] for d in done] == [0, 1]
+    assert done[0]["skipped"] == done[1]["skipped"]  # both ranks skipped the same steps
+    # and hold identical parameters: each rank gathers the same full tensors and sums them with
+    # the same ops in the same order, so the checksums are bit-equal
+    assert done[0]["checksum"] == done[1]["checksum"]
+    steps = re.findall(r"^step (\d+) loss (\S+) scale (\S+) stepped (True|False)$",
+                       _rank_stdout(logs, 0), re.M)
     assert [int(s[0]) for s in steps] == list(range(STEPS))
     assert steps[INJECT_AT][3] == "False"  # the inf on rank 1 made rank 0 skip too
-    assert int(done[0][1]) == sum(s[3] == "False" for s in steps) < STEPS // 2
+    assert done[0]["skipped"] == sum(s[3] == "False" for s in steps) < STEPS // 2
     losses = [float(s[1]) for s in steps]
     assert losses[-1] < 0.5 * losses[0], losses

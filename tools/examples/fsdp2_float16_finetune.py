@@ -16,11 +16,15 @@ Run (the same code on CPU with gloo and on GPUs with nccl):
 ``--inject-inf-at N`` writes an inf into one rank's gradient shard at step N (every rank then
 skips that step). Rank 0 prints one line per step; every rank prints a final ``done`` line with
 its skipped-step count and a checksum of the whole parameters (equal on all ranks).
+``--result-dir DIR`` also writes that rank's final result to ``DIR/rank<N>.json`` (written to a
+temporary name and renamed, so a reader sees the whole file or none): what a program reading the
+results should use, since the ranks' printed lines share one terminal and may interleave.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
@@ -74,6 +78,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     parser.add_argument("--inject-inf-at", type=int, default=None)
+    parser.add_argument("--result-dir", default=None,
+                        help="write each rank's final result to DIR/rank<N>.json")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -127,7 +133,21 @@ def main() -> None:
     skipped = int(scaler.get_num_skipped_steps())
     print(f"done rank {rank} skipped {skipped} checksum {checksum:.10e} final_loss {loss.item():.6f}",
           flush=True)
+    if args.result_dir is not None:
+        write_result(args.result_dir, rank, {"rank": rank, "skipped": skipped, "checksum": checksum,
+                                             "final_loss": loss.item()})
     dist.destroy_process_group()
+
+
+def write_result(folder: str, rank: int, result: dict[str, object]) -> None:
+    """``result`` as ``folder/rank<rank>.json``, atomically: written under a temporary name in the
+    same folder, then renamed over the final one."""
+    os.makedirs(folder, exist_ok=True)
+    final = os.path.join(folder, f"rank{rank}.json")
+    tmp = f"{final}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, final)
 
 
 if __name__ == "__main__":
