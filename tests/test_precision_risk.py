@@ -216,7 +216,9 @@ def test_an_in_place_op_on_a_module_output_is_calibrated() -> None:
     with torch.no_grad():
         want = (2 * (model.lin(x) + x)).abs().double().reshape(-1)
     want = torch.sort(want[want > 0]).values
-    torch.testing.assert_close(g.magnitudes, want)
+    # bit equality: both are 2 * (lin(x) + x) from the same forward kernels (the analysis hooks
+    # the eager module; autograd's mul-by-2 backward is exact), widened to float64
+    torch.testing.assert_close(g.magnitudes, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])

@@ -35,4 +35,6 @@ def test_relabelled_program_runs_as_the_model() -> None:
     want = model(x)
     assert isinstance(got, tuple) and len(got) == 2
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w.detach())
+        # bit equality: the exported graph calls the ATen ops the eager forward dispatches, so
+        # both sides run the same kernels in the same order
+        torch.testing.assert_close(g, w.detach(), rtol=0, atol=0)

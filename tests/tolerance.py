@@ -37,10 +37,23 @@ def reordered_sum_atol(n: int, magnitude: float, dtype: torch.dtype = torch.floa
 def assert_close_reordered(actual: torch.Tensor, expected: torch.Tensor, n: int,
                            magnitude: float | None = None) -> None:
     """``actual`` equals ``expected`` up to summing ``n`` terms per element in another order
-    (:func:`reordered_sum_atol`), in ``expected``'s dtype. ``magnitude`` (S) defaults to the
+    (:func:`reordered_sum_atol`), in ``expected``'s dtype (integer tensors: exactly). ``magnitude`` (S) defaults to the
     largest magnitude in ``expected``: right when an element's terms share a sign (|sum| = S),
     as in sums of squares, norms and means of same-signed values; where terms cancel, pass S."""
+    if not expected.is_floating_point():  # integers (a step count): exact on both sides
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+        return
     if magnitude is None:
         magnitude = expected.detach().abs().max().item() if expected.numel() else 0.0
     atol = reordered_sum_atol(n, magnitude, expected.dtype)
     torch.testing.assert_close(actual, expected, rtol=0.0, atol=atol)
+
+
+def sgd_update_atol(grad_atol: float, lr: float, param_magnitude: float,
+                    dtype: torch.dtype = torch.float32) -> float:
+    """How far apart two SGD(-momentum) updates ``p - lr * (mu * m + g)`` can be whose gradients
+    differ by at most ``grad_atol``: ``lr * grad_atol`` carried through, plus the update's own
+    elementwise tail (the momentum multiply-add, the lr multiply, the subtraction) rounded in
+    another order or fused: at most four roundings of u = eps/2 each, relative to values no
+    larger than the parameters (``param_magnitude``), so 2 * eps * param_magnitude."""
+    return lr * grad_atol + 2 * torch.finfo(dtype).eps * param_magnitude

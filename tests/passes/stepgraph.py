@@ -146,6 +146,13 @@ def reference_step(step: Step, config: DLSConfig, **override: Any) -> dict[str, 
             "isfinite": isfinite}
 
 
+# The longest chain of sums behind one of the MLP's parameter gradients (fc1.weight's): back
+# through fc3 (3 outputs), fc2 (8), then over the batch (5); MSE's backward is elementwise. Two
+# computations of those gradients by other kernels differ by what summing this many terms in
+# another order allows (tests/tolerance.py).
+MLP_GRAD_SUMS = 3 + 8 + 5
+
+
 def mlp_step(config: DLSConfig | None = None, seed: int = 0) -> Step:
     """MLP(4, 8, 3) + MSE, batch of 5."""
     torch.manual_seed(seed)

@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 from gloo_launch import PYTEST_TIMEOUT_S, launch
-from stepgraph import node_values, reference_step, run, trace_step
+from stepgraph import MLP_GRAD_SUMS, eager_grads, node_values, reference_step, run, trace_step
+from tolerance import reordered_sum_atol, sgd_update_atol
 
 from dlspass.config import DLSConfig
 from dlspass.graph import roles
@@ -95,10 +96,16 @@ def test_an_overflow_on_one_rank_skips_the_step_on_all(ranks: list[dict]) -> Non
 def test_clean_steps_are_each_ranks_eager_step(ranks: list[dict]) -> None:
     for rank, r in enumerate(ranks):
         res = r["clean"]
-        ref = reference_step(_step(rank, False), DLS)
+        step = _step(rank, False)
+        ref = reference_step(step, DLS)
         assert res["local_ok"] and res["agreed_ok"]
+        grads = eager_grads(step)
         for name, v in ref[roles.PARAM_UPDATE].items():
-            torch.testing.assert_close(res["updates"][name], v)
+            # the traced step's gradients and eager autograd's sum in other orders (other
+            # kernels); the SGD tail may round in another order (tests/tolerance.py)
+            atol = sgd_update_atol(reordered_sum_atol(MLP_GRAD_SUMS, float(grads[name].abs().max())),
+                                   float(step.hyper["group0.lr"]), float(step.params[name].abs().max()))
+            torch.testing.assert_close(res["updates"][name], v, rtol=0, atol=atol)
         assert torch.equal(res["scale"], ref["state"].loss_scale)
 
 

@@ -48,7 +48,9 @@ def test_overflow_leaves_params_and_opt_state_bit_identical_buffers_advance() ->
     for k, v in ref[roles.BUFFER_UPDATE].items():
         if v.is_floating_point():
             assert not torch.equal(v, step.buffers[k]), k  # BatchNorm statistics moved ...
-        torch.testing.assert_close(got[roles.BUFFER_UPDATE][k], v)  # ... as in eager
+        # ... as in eager. Bit equality: BatchNorm's running statistics come from the forward, where
+        # the traced graph runs the ATen ops eager dispatches, in the same order
+        torch.testing.assert_close(got[roles.BUFFER_UPDATE][k], v, rtol=0, atol=0)
     assert int(got["state"].num_skipped_steps) == 1
 
 

@@ -8,7 +8,16 @@ import math
 import pytest
 import torch
 import torch.fx as fx
-from stepgraph import mlp_step, node_values, reference_step, run, sgd_momentum
+from stepgraph import (
+    MLP_GRAD_SUMS,
+    eager_grads,
+    mlp_step,
+    node_values,
+    reference_step,
+    run,
+    sgd_momentum,
+)
+from tolerance import reordered_sum_atol, sgd_update_atol
 from torch._subclasses.fake_tensor import FakeTensor
 
 from dlspass.config import DLSConfig
@@ -86,8 +95,13 @@ def test_move_roles_lets_the_dls_check_see_a_grad_fault() -> None:
     apply_dls(gm, DLS)
     ref = reference_step(step, DLS)
     clean = run_at(step, gm, 0)
+    grads = eager_grads(step)
     for name, v in ref[roles.PARAM_UPDATE].items():
-        torch.testing.assert_close(clean[roles.PARAM_UPDATE][name], v)
+        # the traced step's gradients and eager autograd's sum in other orders (other kernels);
+        # the SGD tail may round in another order (tests/tolerance.py)
+        atol = sgd_update_atol(reordered_sum_atol(MLP_GRAD_SUMS, float(grads[name].abs().max())),
+                               float(step.hyper["group0.lr"]), float(step.params[name].abs().max()))
+        torch.testing.assert_close(clean[roles.PARAM_UPDATE][name], v, rtol=0, atol=atol)
     assert clean[roles.SCALER_STATE_UPDATE]["loss_scale"] == ref["state"].loss_scale
     faulted = run_at(step, gm, 2)
     # the step is skipped: every parameter keeps its value, the scale backs off

@@ -10,7 +10,7 @@ import operator
 import pytest
 import torch
 from numerics_reference import reference_counts
-from stepgraph import eager_grads, gpt_step, mlp_step, node_values, run
+from stepgraph import MLP_GRAD_SUMS, eager_grads, gpt_step, mlp_step, node_values, run
 from tolerance import assert_close_reordered
 from torch import nn
 
@@ -90,12 +90,11 @@ def test_counts_of_the_scaled_gradients_equal_eager_counting(fmt: str, scale: fl
     for name, v, u in zip(names, values, unscaled, strict=True):
         assert torch.equal(v, u * scale), name
     # and against plain autograd in eager: other kernels (addmm vs mm, its transposes), so other
-    # summation orders. The longest chain of sums feeding a gradient element is fc1's: the mean
-    # over the 5x3 outputs, fc3 (3), fc2 (8) and the batch (5): n = 31 terms to first order, with
-    # S taken as the gradient's largest magnitude (tests/tolerance.py)
+    # summation orders: the bound for the MLP's longest chain of sums (MLP_GRAD_SUMS), with S
+    # taken as the gradient's largest magnitude (tests/tolerance.py)
     eager = eager_grads(step)
     for name, v in zip(names, values, strict=True):
-        assert_close_reordered(v, eager[name.removeprefix("grad:")] * scale, n=5 * 3 + 3 + 8 + 5)
+        assert_close_reordered(v, eager[name.removeprefix("grad:")] * scale, n=MLP_GRAD_SUMS)
     # the step still returns the loss of the step without telemetry
     (i, _), = [(i, r) for i, r in enumerate(roles.output_roles(step.gm.graph)) if r[0] == roles.LOSS]
     assert torch.equal(out[i], plain["loss"])
