@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from stepgraph import eager_grads, mlp_step, node_values
+from stepgraph import MLP_GRAD_SUMS, eager_grads, mlp_step, node_values
+from tolerance import assert_close_reordered
 
 from dlspass.config import DLSConfig
 from dlspass.graph import roles
@@ -51,7 +52,10 @@ def test_unscaled_grads_norm_and_flag_match_eager() -> None:
     vals = node_values(gm, step.inputs(), nodes)
     ref = eager_grads(step)
     for n, v in zip(unscaled, vals, strict=False):
-        torch.testing.assert_close(v, ref[roles.target_of(n)], rtol=1e-6, atol=1e-7)
+        # the traced backward against eager autograd's kernels: other summation orders, bounded
+        # for the MLP's longest chain of sums; the scale and its reciprocal are powers of two,
+        # exact (tests/tolerance.py)
+        assert_close_reordered(v, ref[roles.target_of(n)], n=MLP_GRAD_SUMS)
     norm64 = math.sqrt(sum(float((g.double() ** 2).sum()) for g in ref.values()))
     assert bool(vals[-2]) is True
     assert float(vals[-1]) == pytest.approx(norm64, rel=1e-6)
