@@ -3,7 +3,7 @@
 # with a fresh inductor cache (the cache is keyed without the ISA, so a kernel compiled under one
 # setting would otherwise be reused under another and the run would test nothing new).
 #
-#   tools/run_isa_suite.sh                 # the `numerics` marker: tests/passes/, formats, ...
+#   tools/run_isa_suite.sh                 # the `numerics` marker (not `slow`): tests/passes/, ...
 #   tools/run_isa_suite.sh tests/test_scaler.py -k overflow    # other pytest arguments instead
 #
 # Settings: ATEN_CPU_CAPABILITY=default|avx2|avx512 (ATen's vectorised kernels) and
@@ -12,7 +12,7 @@
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-if [ "$#" -eq 0 ]; then set -- -m numerics; fi
+if [ "$#" -eq 0 ]; then set -- -m "numerics and not slow"; fi
 status=0
 for setting in ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=avx512 \
                ONEDNN_MAX_CPU_ISA=AVX2; do
