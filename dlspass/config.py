@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from dlspass import modelzoo
+from dlspass import deepspeed_config, modelzoo
 from dlspass.errors import InputValueError
 from dlspass.presets import (
     FLOAT32_MAX,
@@ -61,9 +61,10 @@ def _number(name: str, value: Any, *, allow_none: bool = True) -> float | None:
 
 def _scale(name: str, value: Any, lowest_exp: int = -126) -> float | None:
     """A loss scale: a number that float32 holds, by default as a normal value with a finite
-    reciprocal (the scale is inverted to unscale). A floor is only compared with, never
-    inverted, so ``min_loss_scale`` may go down to float32's smallest subnormal (2**-149):
-    torch's policy has no floor and lets the scale decay that far."""
+    reciprocal (the scale is inverted to unscale). ``min_loss_scale`` may go down to float32's
+    smallest subnormal (2**-149), as torch's and Keras' scales do: a scale below 2**-126 is
+    unscaled in two exact steps (`dlspass.scale_policy.inverse_factors`), never through an
+    infinite reciprocal."""
     v = _number(name, value)
     if v is None:
         return None
@@ -362,6 +363,23 @@ class DLSConfig:
         return _from_modelzoo(lambda: modelzoo.settings_from_yaml(
             path, modelzoo_release=modelzoo_release, modelzoo_model=modelzoo_model,
             fields=_field_names()))
+
+
+    @classmethod
+    def from_deepspeed(cls, path_or_dict: str | Any, *, release: str | None = None) -> DLSConfig:
+        """Read the loss-scaling settings of a DeepSpeed config (a JSON file or its dict):
+        the ``fp16`` section with ``release``'s defaults (default: the newest release dlspass
+        has read, 0.19.8), ``bf16``, ``zero_optimization.stage`` (which picks ZeRO's scaler or
+        the fp16 optimizer's rule) and ``gradient_clipping``. What dlspass cannot map is a
+        one-line ``ConfigError`` (`dlspass.deepspeed_config`).
+
+        Example:
+            >>> cfg = DLSConfig.from_deepspeed({"fp16": {"enabled": True},
+            ...                                 "zero_optimization": {"stage": 2}})
+            >>> cfg.policy, cfg.init_scale, cfg.hysteresis_steps
+            ('deepspeed', 65536.0, 2)
+        """
+        return _from_modelzoo(lambda: deepspeed_config.settings_from_deepspeed(path_or_dict, release))
 
 
 def _field_names() -> frozenset[str]:

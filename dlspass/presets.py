@@ -16,10 +16,22 @@ from dlspass.errors import InputValueError
 
 # The choices are written once, as the types of DLSConfig's fields; the tuples are their values.
 FP16Type = Literal["float16", "bfloat16", "cbfloat16"]
-Policy = Literal["cerebras", "torch", "deepspeed", "megatron", "keras"]
+Policy = Literal["cerebras", "torch", "deepspeed", "deepspeed-0.17.0", "deepspeed-fp16-optimizer",
+                 "megatron", "keras"]
 FP16_TYPES: tuple[str, ...] = get_args(FP16Type)
 POLICIES: tuple[str, ...] = get_args(Policy)
 FLOAT32_MAX = 3.4028234663852886e38
+LARGEST_POW2_SCALE = 2.0**127
+"""The largest power of two float32 holds: the presets' cap, so every scale they reach keeps
+scaling and unscaling exact (float32's largest value, 3.4028235e38, is not a power of two)."""
+FLOAT32_SMALLEST_NORMAL = 2.0**-126
+"""Below this a float32 scale is subnormal and its float32 reciprocal may be inf: unscaling then
+takes a two-factor path (`dlspass.scale_policy.unscale`)."""
+DEEPSPEED_POLICIES: tuple[str, ...] = ("deepspeed", "deepspeed-0.17.0", "deepspeed-fp16-optimizer")
+"""DeepSpeed's rules: ``deepspeed`` is ZeRO's `DynamicLossScaler` as released since 0.17.1,
+``deepspeed-0.17.0`` the same class up to 0.17.0 (growth one clean step earlier), and
+``deepspeed-fp16-optimizer`` the fp16 optimizer without ZeRO (`FP16_Optimizer._update_scale`:
+no hysteresis), docs/SEMANTICS.md §3.2."""
 _EXCERPT = 60
 
 
@@ -42,16 +54,20 @@ def preset_defaults(policy: str, fp16_type: str) -> PresetDefaults:
     if policy == "cerebras":
         init = 2.0**31 if fp16_type == "cbfloat16" else 2.0**15
         return PresetDefaults(init, init, 2.0**-14, 2000, overflow_check="global_norm")
+    # The other tools have no cap: torch stops at the last finite power of two (it refuses a
+    # growth to inf), the others grow to inf (or, DeepSpeed, past float32 in a Python float).
+    # dlspass caps at 2**127, the largest power of two float32 holds (docs/SEMANTICS.md §2).
     if policy == "torch":
-        # torch has no floor or cap: the floor keeps 1/scale finite (docs/SEMANTICS.md §3.1),
-        # the cap is fp32's largest value, which torch's "grow only if finite" rule never exceeds.
-        return PresetDefaults(2.0**16, FLOAT32_MAX, 2.0**-14, 2000)
-    if policy == "deepspeed":
-        return PresetDefaults(2.0**16, FLOAT32_MAX, 1.0, 1000, hysteresis=2)
+        # torch has no floor: the floor keeps 1/scale finite (docs/SEMANTICS.md §3.1)
+        return PresetDefaults(2.0**16, LARGEST_POW2_SCALE, 2.0**-14, 2000)
+    if policy in ("deepspeed", "deepspeed-0.17.0"):
+        return PresetDefaults(2.0**16, LARGEST_POW2_SCALE, 1.0, 1000, hysteresis=2)
+    if policy == "deepspeed-fp16-optimizer":
+        return PresetDefaults(2.0**16, LARGEST_POW2_SCALE, 1.0, 1000)
     if policy == "megatron":
-        return PresetDefaults(2.0**32, FLOAT32_MAX, 1.0, 1000, hysteresis=2)
+        return PresetDefaults(2.0**32, LARGEST_POW2_SCALE, 1.0, 1000, hysteresis=2)
     if policy == "keras":
-        return PresetDefaults(2.0**15, FLOAT32_MAX, 2.0**-14, 2000)
+        return PresetDefaults(2.0**15, LARGEST_POW2_SCALE, 2.0**-14, 2000)
     raise InputValueError(f"policy: unknown preset {policy!r}; choose one of {', '.join(POLICIES)}")
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from dlspass.config import DLSConfig
+from dlspass.presets import DEEPSPEED_POLICIES, FLOAT32_SMALLEST_NORMAL
 
 CLIP_EPS = 1e-6
 
@@ -82,15 +83,29 @@ def _cerebras(state: ScalerState, ok: Tensor, config: DLSConfig) -> ScalerState:
     return state._replace(loss_scale=scale, steps_since_rescale=steps, overflows_since_rescale=ovf)
 
 
+def _times(scale: Tensor, factor: float, config: DLSConfig) -> Tensor:
+    """``scale * factor`` as the policy's tool computes it.
+
+    torch's `_amp_update_scale_` kernel multiplies the float32 scale by the factor as a C++
+    double and rounds the product to float32 once; DeepSpeed keeps its scale as a Python float
+    (a double). Both are reproduced by the product in float64, rounded to float32 once. cstorch,
+    Megatron and Keras multiply two float32 values (docs/SEMANTICS.md §3.1). For a power of two
+    factor the two ways agree; for ``backoff_factor=0.3`` they do not (27.6480007 vs 27.6480026).
+    """
+    if config.policy == "torch" or config.policy in DEEPSPEED_POLICIES:
+        return (scale.to(torch.float64) * factor).to(torch.float32)
+    return scale * _f32(factor)
+
+
 def _torch_like(state: ScalerState, ok: Tensor, config: DLSConfig) -> ScalerState:
     """torch.amp and Keras: back off on every overflow, grow after an interval of clean steps;
     torch refuses a growth that would overflow float32, Keras does not."""
     zero = torch.zeros_like(state.steps_since_rescale)
     bad = ~ok
-    scale = torch.where(bad, state.loss_scale * _f32(config.backoff), state.loss_scale)
+    scale = torch.where(bad, _times(state.loss_scale, config.backoff, config), state.loss_scale)
     steps = torch.where(bad, zero, state.steps_since_rescale + 1)
     grow = steps == config.growth_interval
-    grown = scale * _f32(config.growth)
+    grown = _times(scale, config.growth, config)
     grow_ok = grow & torch.isfinite(grown) if config.policy == "torch" else grow
     scale = torch.where(grow_ok, grown, scale)
     steps = torch.where(grow, zero, steps)
@@ -99,21 +114,39 @@ def _torch_like(state: ScalerState, ok: Tensor, config: DLSConfig) -> ScalerStat
 
 def _deepspeed(state: ScalerState, ok: Tensor, config: DLSConfig) -> ScalerState:
     """DeepSpeed: an overflow first uses up the hysteresis, then backs off; the hysteresis is
-    refilled on growth (or on every clean step with ``consecutive_hysteresis``)."""
+    refilled on growth (or on every clean step with ``consecutive_hysteresis``).
+
+    ``steps_since_rescale`` counts clean iterations since the last overflow, restarting at
+    growth. DeepSpeed grows when ``stable = it - last_overflow_it - 1`` is a positive multiple
+    of the window (since 0.17.1; ``deepspeed``): ``window + 1`` clean iterations after an
+    overflow, then every ``window``; the counter restarts at 1 on growth so that the same test,
+    ``steps > window``, serves both. Up to 0.17.0 (``deepspeed-0.17.0``) the test was
+    ``(it - last_overflow_it) % window == 0``: every ``window`` clean iterations, the counter
+    restarting at 0. DeepSpeed's fp16 optimizer without ZeRO (``deepspeed-fp16-optimizer``)
+    has the current growth test and no hysteresis (docs/SEMANTICS.md §3.2).
+    """
     zero = torch.zeros_like(state.steps_since_rescale)
     bad = ~ok
     hyst = state.hysteresis
     full = torch.full_like(hyst, config.hysteresis_steps)
-    at_last = hyst <= 1
-    scale = torch.where(bad & at_last, state.loss_scale * _f32(config.backoff), state.loss_scale)
-    hyst = torch.where(bad & ~at_last, hyst - 1, hyst)
+    no_hysteresis = config.policy == "deepspeed-fp16-optimizer"
+    at_last = torch.ones_like(bad) if no_hysteresis else hyst <= 1
+    scale = torch.where(bad & at_last, _times(state.loss_scale, config.backoff, config),
+                        state.loss_scale)
+    if not no_hysteresis:
+        hyst = torch.where(bad & ~at_last, hyst - 1, hyst)
     steps = torch.where(bad, zero, state.steps_since_rescale + 1)
-    if config.consecutive_hysteresis:
+    if config.consecutive_hysteresis and not no_hysteresis:
         hyst = torch.where(ok, full, hyst)
-    grow = ok & (steps == config.growth_interval)
-    scale = torch.where(grow, scale * _f32(config.growth), scale)
-    steps = torch.where(grow, zero, steps)
-    if not config.consecutive_hysteresis:
+    if config.policy == "deepspeed-0.17.0":
+        grow = ok & (steps == config.growth_interval)
+        restart = zero
+    else:
+        grow = ok & (steps > config.growth_interval)
+        restart = torch.ones_like(steps)
+    scale = torch.where(grow, _times(scale, config.growth, config), scale)
+    steps = torch.where(grow, restart, steps)
+    if not config.consecutive_hysteresis and not no_hysteresis:
         hyst = torch.where(grow, full, hyst)
     return state._replace(loss_scale=scale, steps_since_rescale=steps, hysteresis=hyst)
 
@@ -142,6 +175,8 @@ _UPDATE_RULES: dict[str, _UpdateRule] = {
     "torch": _torch_like,
     "keras": _torch_like,
     "deepspeed": _deepspeed,
+    "deepspeed-0.17.0": _deepspeed,
+    "deepspeed-fp16-optimizer": _deepspeed,
     "megatron": _megatron,
 }
 """Each policy's rule: ``(state, ok, config) -> state`` with the scale before the floor and cap.
@@ -175,10 +210,31 @@ def update_state(state: ScalerState, isfinite: Tensor, config: DLSConfig) -> Sca
     )
 
 
-def unscale(grads: Sequence[Tensor], loss_scale: Tensor) -> list[Tensor]:
-    """Gradients divided by the scale, in float32 (fp16 gradients are accepted)."""
-    inv = torch.reciprocal(loss_scale.to(torch.float32))
-    return [g.to(torch.float32) * inv for g in grads]
+def inverse_factors(loss_scale: Tensor, config: DLSConfig | None = None) -> list[Tensor]:
+    """The float32 factors whose product with a gradient unscales it, applied in order.
+
+    One factor, the float32 reciprocal of the scale (cstorch's and torch's unscaling), where the
+    config's floor keeps the scale a normal float32 number. Below 2**-126 the reciprocal can be
+    inf (1/2**-128 is), so a config whose floor lies there gets two: ``1/max(s, 2**-126)`` and
+    ``max(s, 2**-126)/s``. For a normal scale the second is exactly 1 (the same values as the
+    one-factor path); for a subnormal power of two both are exact powers of two, so the
+    gradients come out as ``g / s``, finite whenever that is (docs/SEMANTICS.md §1.3).
+    """
+    s = loss_scale.to(torch.float32)
+    if config is None or config.min_scale >= FLOAT32_SMALLEST_NORMAL:
+        return [torch.reciprocal(s)]
+    normal = torch.clamp(s, min=FLOAT32_SMALLEST_NORMAL)
+    return [torch.reciprocal(normal), normal / s]
+
+
+def unscale(grads: Sequence[Tensor], loss_scale: Tensor,
+            config: DLSConfig | None = None) -> list[Tensor]:
+    """Gradients divided by the scale, in float32 (fp16 gradients are accepted); ``config``
+    picks the factors (`inverse_factors`; without it, the one reciprocal)."""
+    out = [g.to(torch.float32) for g in grads]
+    for inv in inverse_factors(loss_scale, config):
+        out = [g * inv for g in out]
+    return out
 
 
 def global_norm(grads: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:
@@ -233,7 +289,7 @@ def dls_tail(
     is True (a static scale checks nothing and skips nothing, as in cstorch).
     """
     if config.enabled:
-        unscaled = unscale(grads, loss_scale)
+        unscaled = unscale(grads, loss_scale, config)
     else:
         unscaled = [g.to(torch.float32) for g in grads]
     isfinite, norm = _tail_check(unscaled, loss_scale, config)
@@ -250,7 +306,8 @@ def dls_tail_(
     bit for bit the ones `dls_tail` returns.
     """
     if config.enabled:
-        torch._foreach_mul_(grads, torch.reciprocal(loss_scale.to(torch.float32)))
+        for inv in inverse_factors(loss_scale, config):
+            torch._foreach_mul_(grads, inv)
     isfinite, norm = _tail_check(grads, loss_scale, config)
     if config.max_gradient_norm is not None or config.max_gradient_value is not None:
         torch._foreach_copy_(grads, clip(grads, norm, config))

@@ -75,7 +75,7 @@ class UnscaleGradsPass(DLSPass):
         names = [t for t, _ in found]
         gnodes = [g for _, g in found]
         unscaled = splice(
-            graph, lambda s, *gs: scale_policy.unscale(gs, s), [scale_placeholder(graph), *gnodes],
+            graph, lambda s, *gs: scale_policy.unscale(gs, s, self.config), [scale_placeholder(graph), *gnodes],
             role=roles.UNSCALE, by_pass=self.name, output_roles=[(roles.UNSCALE, t) for t in names])
         for g, u in zip(gnodes, unscaled, strict=True):
             replace_uses(g, u, set(unscaled.inserted) | backward)  # the backward keeps the scaled gradient

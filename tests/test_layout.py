@@ -33,7 +33,8 @@ MUTATION = re.compile(r"\.(create_node|call_function|call_method|call_module|get
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("dlspass.errors",)),
     ("files", ("dlspass.files",)),  # untrusted-file readers
-    ("presets", ("dlspass.presets", "dlspass.modelzoo_releases", "dlspass.modelzoo")),
+    ("presets", ("dlspass.presets", "dlspass.modelzoo_releases", "dlspass.modelzoo",
+                 "dlspass.deepspeed_config")),
     ("config", ("dlspass.config",)),
     ("numerics", ("dlspass.formats", "dlspass.format_ranges", "dlspass.scale_policy",
                   "dlspass.precision_policy")),

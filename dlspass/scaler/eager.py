@@ -56,6 +56,14 @@ from dlspass.scaler.optimizer_step import (
 from dlspass.scaler.scaled_outputs import map_tensors, tensors_in
 from dlspass.scaler.state_dict import effective_factors, plan_load, write_state_dict
 
+class _KeywordDefault(str):
+    """A string keyword's default, told apart from the same value given by the caller (an
+    explicit ``policy="cerebras"`` overrides ``config=``'s policy; the default does not)."""
+
+
+_DYNAMIC, _FLOAT16 = _KeywordDefault("dynamic"), _KeywordDefault("float16")
+_CEREBRAS, _WARN = _KeywordDefault("cerebras"), _KeywordDefault("warn")
+
 # How often update() looks at the floor counter on its own (one host read per this many updates).
 FLOOR_CHECK_EVERY = 1000
 
@@ -79,9 +87,11 @@ class GradScaler:
         loss_scale: ``"dynamic"`` (DLS), a number (static scale) or ``None`` (no scaling).
         init_scale: the first scale (alias ``initial_loss_scale``; give at most one).
         steps_per_increase, min_loss_scale, max_loss_scale, overflow_tolerance,
-        max_gradient_norm, max_gradient_value, fp16_type, policy, on_scale_floor: as
-            `DLSConfig` (``None`` means the policy's default).
-        config: a ready `DLSConfig` instead of the keywords (not both).
+        max_gradient_norm, max_gradient_value, fp16_type, policy, on_scale_floor,
+        growth_factor, backoff_factor, hysteresis, consecutive_hysteresis: as `DLSConfig`
+            (``None`` means the policy's default).
+        config: a ready `DLSConfig`; the keywords given are merged into it by
+            `DLSConfig.with_overrides` (the rule every entry point merges by).
         device: where the state lives; ``None`` moves it lazily to the first scaled loss.
         process_group: the group ranks agree over: a ProcessGroup or a DeviceMesh (the group
             over its ranks); ``None``: the default group when ``torch.distributed`` is
@@ -98,7 +108,7 @@ class GradScaler:
 
     def __init__(
         self,
-        loss_scale: str | float | None = "dynamic",
+        loss_scale: str | float | None = _DYNAMIC,
         init_scale: float | None = None,
         steps_per_increase: int | None = None,
         min_loss_scale: float | None = None,
@@ -106,46 +116,39 @@ class GradScaler:
         overflow_tolerance: float | None = None,
         max_gradient_norm: float | None = None,
         max_gradient_value: float | None = None,
-        fp16_type: str = "float16",
-        policy: str = "cerebras",
-        on_scale_floor: str = "warn",
+        fp16_type: str = _FLOAT16,
+        policy: str = _CEREBRAS,
+        on_scale_floor: str = _WARN,
         config: DLSConfig | None = None,
         device: torch.device | str | None = None,
         *,
         initial_loss_scale: float | None = None,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        hysteresis: int | None = None,
+        consecutive_hysteresis: bool | None = None,
         process_group: Any = None,
         summary_writer: Any = None,
     ) -> None:
         if init_scale is not None and initial_loss_scale is not None:
             raise InputValueError("init_scale and initial_loss_scale are aliases: give only one")
-        if init_scale is None:
-            init_scale = initial_loss_scale
-        if config is not None:
-            given = {
-                "loss_scale": loss_scale != "dynamic", "init_scale": init_scale is not None,
-                "steps_per_increase": steps_per_increase is not None,
-                "min_loss_scale": min_loss_scale is not None,
-                "max_loss_scale": max_loss_scale is not None,
-                "overflow_tolerance": overflow_tolerance is not None,
-                "max_gradient_norm": max_gradient_norm is not None,
-                "max_gradient_value": max_gradient_value is not None,
-                "fp16_type": fp16_type != "float16", "policy": policy != "cerebras",
-                "on_scale_floor": on_scale_floor != "warn",
-            }
-            both = [k for k, v in given.items() if v]
-            if both:
-                raise InputValueError(f"config= and keyword settings are alternatives; got both "
-                                 f"(config and {', '.join(both)})")
-            if not isinstance(config, DLSConfig):
-                raise InputTypeError(f"config: expected a DLSConfig, got {type(config).__name__}")
-        else:
-            config = DLSConfig(
-                loss_scale=loss_scale, initial_loss_scale=init_scale,
-                steps_per_increase=steps_per_increase, min_loss_scale=min_loss_scale,
-                max_loss_scale=max_loss_scale, overflow_tolerance=overflow_tolerance,
-                max_gradient_norm=max_gradient_norm, max_gradient_value=max_gradient_value,
-                fp16_type=fp16_type, policy=policy, on_scale_floor=on_scale_floor,  # type: ignore[arg-type]
-            )
+        if config is not None and not isinstance(config, DLSConfig):
+            raise InputTypeError(f"config: expected a DLSConfig, got {type(config).__name__}")
+        # A keyword left at its default is not given; the given ones are merged into ``config``
+        # (or the defaults) by the one config rule, `DLSConfig.with_overrides`.
+        keywords = {
+            "loss_scale": loss_scale, "initial_loss_scale": init_scale if init_scale is not None
+            else initial_loss_scale, "steps_per_increase": steps_per_increase,
+            "min_loss_scale": min_loss_scale, "max_loss_scale": max_loss_scale,
+            "overflow_tolerance": overflow_tolerance, "max_gradient_norm": max_gradient_norm,
+            "max_gradient_value": max_gradient_value, "fp16_type": fp16_type, "policy": policy,
+            "on_scale_floor": on_scale_floor, "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor, "hysteresis": hysteresis,
+            "consecutive_hysteresis": consecutive_hysteresis,
+        }
+        given = {k: v for k, v in keywords.items()
+                 if not isinstance(v, _KeywordDefault) and (v is not None or k == "loss_scale")}
+        config = (config if config is not None else DLSConfig()).with_overrides(**given)
         self._setup(config, device, process_group, summary_writer)
 
     def _setup(self, config: DLSConfig, device: torch.device | str | None,
@@ -306,7 +309,7 @@ class GradScaler:
         if grads:
             scale = scale.to(grads[0].device)
         if cfg.enabled:
-            unscaled = scale_policy.unscale(grads, scale)
+            unscaled = scale_policy.unscale(grads, scale, cfg)
         else:
             unscaled = [g.to(torch.float32) for g in grads]
         isfinite, norm = distributed.check_overflow_distributed(

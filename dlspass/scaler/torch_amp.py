@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dlspass import distributed, scale_policy
-from dlspass.config import ConfigError, DLSConfig
+from dlspass.config import FLOAT32_MAX, ConfigError, DLSConfig
 from dlspass.errors import InputValueError
 from dlspass.scaler.eager import STEPPED, UNSCALED, GradScaler, refuse_backend_flag_with_group
 from dlspass.scaler.errors import ScalerAssertionError, ScalerUsageError
@@ -73,6 +73,7 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
             steps_per_increase=growth_interval, growth_factor=growth_factor,
             backoff_factor=backoff_factor, policy="torch",
             min_loss_scale=FLOAT32_TINY,  # no floor: torch lets the scale decay
+            max_loss_scale=FLOAT32_MAX,  # no cap: torch only refuses a growth to inf
         )
         self._setup(cfg, None, process_group, summary_writer)
 
