@@ -62,8 +62,8 @@ def _number(name: str, value: Any, *, allow_none: bool = True) -> float | None:
 def _scale(name: str, value: Any, lowest_exp: int = -126) -> float | None:
     """A loss scale: a number that float32 holds, by default as a normal value with a finite
     reciprocal (the scale is inverted to unscale). ``min_loss_scale`` may go down to float32's
-    smallest subnormal (2**-149), as torch's and Keras' scales do: a scale below 2**-126 is
-    unscaled in two exact steps (`dlspass.scale_policy.inverse_factors`), never through an
+    smallest subnormal (2**-149), as torch's and Keras' scales do: with such a floor the
+    gradients are divided by the scale (`dlspass.scale_policy.divides`), never multiplied by an
     infinite reciprocal."""
     v = _number(name, value)
     if v is None:

@@ -25,8 +25,8 @@ LARGEST_POW2_SCALE = 2.0**127
 """The largest power of two float32 holds: the presets' cap, so every scale they reach keeps
 scaling and unscaling exact (float32's largest value, 3.4028235e38, is not a power of two)."""
 FLOAT32_SMALLEST_NORMAL = 2.0**-126
-"""Below this a float32 scale is subnormal and its float32 reciprocal may be inf: unscaling then
-takes a two-factor path (`dlspass.scale_policy.unscale`)."""
+"""Below this a float32 scale is subnormal and its float32 reciprocal may be inf: a config whose
+floor lies there unscales by dividing (`dlspass.scale_policy.divides`)."""
 DEEPSPEED_POLICIES: tuple[str, ...] = ("deepspeed", "deepspeed-0.17.0", "deepspeed-fp16-optimizer")
 """DeepSpeed's rules: ``deepspeed`` is ZeRO's `DynamicLossScaler` as released since 0.17.1,
 ``deepspeed-0.17.0`` the same class up to 0.17.0 (growth one clean step earlier), and

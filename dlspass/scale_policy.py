@@ -210,31 +210,27 @@ def update_state(state: ScalerState, isfinite: Tensor, config: DLSConfig) -> Sca
     )
 
 
-def inverse_factors(loss_scale: Tensor, config: DLSConfig | None = None) -> list[Tensor]:
-    """The float32 factors whose product with a gradient unscales it, applied in order.
+def divides(config: DLSConfig | None) -> bool:
+    """Whether unscaling divides by the scale instead of multiplying by its reciprocal.
 
-    One factor, the float32 reciprocal of the scale (cstorch's and torch's unscaling), where the
-    config's floor keeps the scale a normal float32 number. Below 2**-126 the reciprocal can be
-    inf (1/2**-128 is), so a config whose floor lies there gets two: ``1/max(s, 2**-126)`` and
-    ``max(s, 2**-126)/s``. For a normal scale the second is exactly 1 (the same values as the
-    one-factor path); for a subnormal power of two both are exact powers of two, so the
-    gradients come out as ``g / s``, finite whenever that is (docs/SEMANTICS.md §1.3).
+    cstorch and torch multiply by the float32 reciprocal, and so does dlspass wherever the
+    config's floor keeps the scale a normal float32 number (>= 2**-126). Below that the
+    reciprocal can be inf (1/2**-128 is), so a config whose floor lies there divides, as Keras
+    does: ``g / s`` is finite whenever the unscaled gradient is (docs/SEMANTICS.md §1.3). For a
+    power-of-two scale both ways give the same values.
     """
-    s = loss_scale.to(torch.float32)
-    if config is None or config.min_scale >= FLOAT32_SMALLEST_NORMAL:
-        return [torch.reciprocal(s)]
-    normal = torch.clamp(s, min=FLOAT32_SMALLEST_NORMAL)
-    return [torch.reciprocal(normal), normal / s]
+    return config is not None and config.min_scale < FLOAT32_SMALLEST_NORMAL
 
 
 def unscale(grads: Sequence[Tensor], loss_scale: Tensor,
             config: DLSConfig | None = None) -> list[Tensor]:
-    """Gradients divided by the scale, in float32 (fp16 gradients are accepted); ``config``
-    picks the factors (`inverse_factors`; without it, the one reciprocal)."""
-    out = [g.to(torch.float32) for g in grads]
-    for inv in inverse_factors(loss_scale, config):
-        out = [g * inv for g in out]
-    return out
+    """Gradients divided by the scale, in float32 (fp16 gradients are accepted): times the
+    float32 reciprocal, or (`divides`, a floor below 2**-126) divided."""
+    s = loss_scale.to(torch.float32)
+    if divides(config):
+        return [g.to(torch.float32) / s for g in grads]
+    inv = torch.reciprocal(s)
+    return [g.to(torch.float32) * inv for g in grads]
 
 
 def global_norm(grads: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:
@@ -306,8 +302,10 @@ def dls_tail_(
     bit for bit the ones `dls_tail` returns.
     """
     if config.enabled:
-        for inv in inverse_factors(loss_scale, config):
-            torch._foreach_mul_(grads, inv)
+        if divides(config):
+            torch._foreach_div_(grads, loss_scale.to(torch.float32))
+        else:
+            torch._foreach_mul_(grads, torch.reciprocal(loss_scale.to(torch.float32)))
     isfinite, norm = _tail_check(grads, loss_scale, config)
     if config.max_gradient_norm is not None or config.max_gradient_value is not None:
         torch._foreach_copy_(grads, clip(grads, norm, config))
