@@ -217,8 +217,11 @@ def test_call_order_errors():
 def test_constructor_errors():
     with pytest.raises(ValueError, match="initial_loss_scale"):
         GradScaler(init_scale=4.0, initial_loss_scale=4.0)
-    with pytest.raises(ValueError, match="config"):
-        GradScaler(config=DLSConfig(), steps_per_increase=3)
+    # config= and keywords merge by DLSConfig.with_overrides (issue 34; they used to be refused)
+    assert GradScaler(config=DLSConfig(), steps_per_increase=3).config == \
+        DLSConfig().with_overrides(steps_per_increase=3)
+    with pytest.raises(TypeError, match="config"):
+        GradScaler(config={"steps_per_increase": 3})
     with pytest.raises(ValueError, match="initial_loss_scale"):
         GradScaler(init_scale=2.0**20)
     assert GradScaler(initial_loss_scale=8.0).get_scale().item() == 8.0
