@@ -51,6 +51,7 @@ from dlspass.modelzoo_releases import (
     GPT_DEFAULTS,
     LATEST_RELEASE,
     ModelZooRules,
+    model_from_params,
     model_from_path,
     modelzoo_rules,
 )
@@ -340,8 +341,8 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
     if enabled and not values.get("fp16_type") and rules.model is None and rules.release in GPT_DEFAULTS:
         warnings.warn(f"{src}the half format is not named: Model Zoo {_name(rules)} defaults it per "
                       f"model (bfloat16 for {', '.join(sorted(GPT_DEFAULTS[rules.release]))}); "
-                      f"read as {fp16_type}. Pass modelzoo_model or name model.fp16_type",
-                      UserWarning, stacklevel=6)
+                      f"read as {fp16_type}. Pass modelzoo_model (CLI: --modelzoo-model) or "
+                      "name model.fp16_type", UserWarning, stacklevel=6)
     loss_scale = values.get("loss_scaling_factor", 1.0)
     if enabled and fp16_type == "cbfloat16" and loss_scale != "dynamic":
         got = (f"got {excerpt(values['loss_scaling_factor'])}" if "loss_scaling_factor" in values
@@ -431,6 +432,9 @@ def settings_from_params(data: dict[str, Any], *, fields: Collection[str], sourc
     if not isinstance(data, Mapping):
         got = "nothing (empty document)" if data is None else excerpt(data)
         raise InputValueError(f"{source}: the top level must be a mapping of settings, got {got}")
+    # the family: as named, else as the file says it (its GPT data processor), else unknown
+    if modelzoo_model is None and "trainer" not in data:
+        modelzoo_model = model_from_params(data)
     rules = None if modelzoo_release is None else modelzoo_rules(modelzoo_release, modelzoo_model)
     legacy_present = any(
         isinstance(data.get(s), Mapping) and any(k in data[s] for k in keys)

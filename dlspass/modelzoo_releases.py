@@ -28,6 +28,11 @@ GPT_DEFAULTS = {
 }
 
 
+GPT_STYLE = "gpt-style"
+"""The model family a legacy file names through its GPT data processor (`model_from_params`):
+one of the GPT-style models of the release, which share the bfloat16 default."""
+
+
 @dataclass(frozen=True)
 class ModelZooRules:
     """What one Model Zoo release does with an absent or legacy precision key.
@@ -49,7 +54,8 @@ class ModelZooRules:
             # trainer/callbacks/precision.py: MixedPrecision(fp16_type="float16") in 2.3,
             # "bfloat16" from 2.4 on; legacy files go through the same callback.
             return "bfloat16" if self.release >= (2, 4) else "float16"
-        if self.model in GPT_DEFAULTS.get(self.release, ()):
+        if self.release in GPT_DEFAULTS and (
+                self.model == GPT_STYLE or self.model in GPT_DEFAULTS[self.release]):
             return "bfloat16"
         return "float16"
 
@@ -112,6 +118,26 @@ def model_from_path(path: str | Path) -> str | None:
         return None
     up = [p for p in reversed(parts[:-2]) if p not in _TASK_DIRS]
     return up[0] if up else None
+
+
+def model_from_params(data: object) -> str | None:
+    """`GPT_STYLE` when a legacy file's ``train_input`` or ``eval_input`` reads its data with a
+    GPT data processor (``GptHDF5DataProcessor``, ``GptHDF5MapDataProcessor``,
+    ``GptTfRecordsProcessor``), else None.
+
+    In every release from R_1.7.1 to 2.2.1 each config naming such a processor sits in the
+    directory of a model of `GPT_DEFAULTS` (``git grep 'data_processor: "Gpt'`` over those tags:
+    gpt2, gpt3, gptj, bloom, falcon, llama, btlm, starcoder, mistral, mpt, santacoder, jais), so
+    the file says its family even when it is read outside a checkout.
+    """
+    if not isinstance(data, dict):
+        return None
+    for section in ("train_input", "eval_input"):
+        body = data.get(section)
+        proc = body.get("data_processor") if isinstance(body, dict) else None
+        if isinstance(proc, str) and proc.startswith("Gpt"):
+            return GPT_STYLE
+    return None
 
 
 # directories between a model and its configs in R_1.6-2.2 (bert/fine_tuning/qa/configs,

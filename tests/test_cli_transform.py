@@ -238,3 +238,22 @@ def test_unknown_rounding_is_a_usage_error(tmp_path, capsys):
     out = tmp_path / "x.pt2"
     assert cf.cli("transform", cf.joint_file("mlp"), "-o", out, "--rounding", "bits") == 2
     assert "--rounding" in capsys.readouterr().err and not out.exists()
+
+
+def test_modelzoo_model_flag_names_the_family_of_a_legacy_config(tmp_path, capsys):
+    # A 2.0 file (model.precision_opt_level is read up to 2.0) that names no half format: GPT-2's
+    # run.py defaults use_bfloat16 to true (Release_2.0.3 gpt2/utils.py set_defaults), and
+    # nothing in this file says it is GPT-2
+    cfg_file = tmp_path / "params.yaml"
+    cfg_file.write_text("model:\n  mixed_precision: true\n  precision_opt_level: 1\n"
+                        "optimizer:\n  loss_scaling_factor: 1.0\n")
+    out = tmp_path / "gpt2.pt2"
+    assert cf.cli("transform", cf.joint_file("mlp"), "-o", out, "--config", cfg_file,
+                  "--modelzoo-model", "gpt2") == 0
+    _, meta = load_program(out)
+    assert meta["config"]["fp16_type"] == "bfloat16"
+    capsys.readouterr()
+    lone = tmp_path / "lone.pt2"
+    assert cf.cli("transform", cf.joint_file("mlp"), "-o", lone, "--modelzoo-model", "gpt2") == 2
+    err = capsys.readouterr().err
+    assert "--modelzoo-model" in err and "--config" in err and not lone.exists()

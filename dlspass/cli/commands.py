@@ -236,6 +236,9 @@ def transform(
         help="Clip the unscaled gradients to this global norm.")] = None,
     config: Annotated[Path | None, typer.Option(
         "--config", help="A Model Zoo params.yaml supplying the DLS settings.")] = None,
+    modelzoo_model: Annotated[str | None, typer.Option(
+        "--modelzoo-model", help="The Model Zoo model directory that runs --config (gpt2, bert, "
+        "...): its defaults apply to a legacy file that does not say it.")] = None,
     to: Annotated[str | None, typer.Option(
         "--to", help="Output format: pt2 or onnx (default: from the -o suffix).")] = None,
     rounding: Annotated[str, typer.Option(
@@ -283,7 +286,11 @@ def transform(
         ("mixed_precision", mixed_precision), ("precision_mode", precision_mode)) if v is not None}
     if loss_scale is not None:  # `--loss-scale none` is given, as None: scaling off
         overrides["loss_scale"] = scale
-    base = DLSConfig.from_yaml(str(config)) if config is not None else DLSConfig()
+    if modelzoo_model is not None and config is None:
+        raise typer.BadParameter("names the model of a --config file; give --config too",
+                                 param_hint="--modelzoo-model")
+    base = (DLSConfig.from_yaml(str(config), modelzoo_model=modelzoo_model) if config is not None
+            else DLSConfig())
     try:
         cfg = base.with_overrides(**overrides)
     except ConfigError as e:  # the config's own check, reported against the flag
