@@ -56,6 +56,7 @@ from dlspass.scaler.optimizer_step import (
 from dlspass.scaler.scaled_outputs import map_tensors, tensors_in
 from dlspass.scaler.state_dict import effective_factors, plan_load, write_state_dict
 
+
 class _KeywordDefault(str):
     """A string keyword's default, told apart from the same value given by the caller (an
     explicit ``policy="cerebras"`` overrides ``config=``'s policy; the default does not)."""
