@@ -93,7 +93,10 @@ def _times(scale: Tensor, factor: float, config: DLSConfig) -> Tensor:
     factor the two ways agree; for ``backoff_factor=0.3`` they do not (27.6480007 vs 27.6480026).
     """
     if config.policy == "torch" or config.policy in DEEPSPEED_POLICIES:
-        return (scale.to(torch.float64) * factor).to(torch.float32)
+        # the factor as a float64 tensor constant: ONNX export carries a Python scalar, or the
+        # fill value of `torch.full`, as float32 (0.3 would become 0.30000001192...)
+        wide = torch.tensor(factor, dtype=torch.float64, device=scale.device)
+        return (scale.to(torch.float64) * wide).to(torch.float32)
     return scale * _f32(factor)
 
 

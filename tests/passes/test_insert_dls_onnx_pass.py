@@ -145,3 +145,23 @@ def test_no_tagged_gradient_is_an_input_error():
     model.metadata_props["dlspass_roles"] = json.dumps({"loss_seed": ["backward_seed", None]})
     with pytest.raises(DLSInputError, match="no output is tagged as a gradient"):
         InsertDLSOnnxPass(CONFIG)(model)
+
+
+@pytest.mark.parametrize("policy", ["torch", "deepspeed", "deepspeed-fp16-optimizer"])
+def test_float64_factor_policies_export_their_update(policy):
+    # torch's and DeepSpeed's factors are a float64 product rounded once (docs/SEMANTICS.md §1.3):
+    # the exported tail must compute the same float32 scale as update_state
+    cfg = DLSConfig(mixed_precision=False, initial_loss_scale=1024.0, policy=policy,
+                    backoff_factor=0.3, growth_factor=1.5, steps_per_increase=1)
+    state = init_state(cfg)
+    for bad in (True, True, True, False):  # three backoffs by 0.3: 27.6480007, not 27.6480026
+        model = _model()
+        InsertDLSOnnxPass(cfg)(model)
+        got = _run(model, _batch(bad), state)
+        want = update_state(state, torch.tensor(not bad), cfg)
+        for name, v in zip(STATE, want, strict=True):
+            assert torch.equal(torch.from_numpy(got[f"{name}.new"]), v), (policy, bad, name)
+        state = want
+    f32 = np.float32
+    float32_chain = f32(f32(f32(f32(1024 * f32(0.3)) * f32(0.3)) * f32(0.3)) * f32(1.5))
+    assert float(state.loss_scale) != float(float32_chain)

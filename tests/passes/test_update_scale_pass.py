@@ -16,7 +16,8 @@ def _nan_batch(step):
     return [step.batch[0] * float("nan"), step.batch[1]]
 
 
-@pytest.mark.parametrize("policy", ["cerebras", "torch", "deepspeed", "megatron", "keras"])
+@pytest.mark.parametrize("policy", ["cerebras", "torch", "deepspeed", "deepspeed-0.17.0",
+                                    "deepspeed-fp16-optimizer", "megatron", "keras"])
 @pytest.mark.parametrize("finite", [True, False])
 def test_state_outputs_equal_update_state_eager(policy: str, finite: bool) -> None:
     cfg = DLSConfig(policy=policy, mixed_precision=False, steps_per_increase=3)
