@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import difflib
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from dlspass.errors import InputValueError
 from dlspass.modelzoo import ModelZooSettings
-from dlspass.presets import excerpt
+from dlspass.presets import excerpt, parse_release_name
 
 FIRST_RELEASE = (0, 10, 0)
 LATEST_RELEASE = (0, 19, 8)
@@ -64,16 +63,8 @@ def parse_release(release: str | tuple[int, int, int] | None) -> tuple[int, int,
     """``"0.19.8"``, ``"v0.17.0"`` or a tuple; ``None`` is the newest release dlspass knows."""
     if release is None:
         return LATEST_RELEASE
-    if isinstance(release, tuple):
-        parsed = release
-    else:
-        m = re.fullmatch(r"v?(\d{1,3})\.(\d{1,3})\.(\d{1,3})", str(release).strip())
-        if m is None:
-            raise InputValueError(f"release: expected a DeepSpeed release such as '0.19.8', got "
-                                  f"{excerpt(release)}")
-        parsed = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
-    if not (len(parsed) == 3 and all(type(x) is int for x in parsed)):
-        raise InputValueError(f"release: expected (major, minor, patch), got {excerpt(release)}")
+    parsed = parse_release_name(release, r"v?(\d{1,3})\.(\d{1,3})\.(\d{1,3})", key="release",
+                                example="'0.19.8'", shape="(major, minor, patch)")
     if not FIRST_RELEASE <= parsed <= LATEST_RELEASE:
         raise InputValueError(f"release: DeepSpeed {'.'.join(map(str, parsed))} is outside the "
                               f"releases dlspass has read (0.10.0 to 0.19.8)")

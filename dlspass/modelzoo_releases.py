@@ -4,12 +4,11 @@ sources), and which model family a config belongs to (`model_from_path`)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from dlspass.errors import InputValueError
-from dlspass.presets import excerpt
+from dlspass.presets import excerpt, parse_release_name
 
 FIRST_RELEASE = (1, 6)
 LATEST_RELEASE = (2, 10)
@@ -153,16 +152,10 @@ def modelzoo_rules(release: str | tuple[int, int] | None = None, model: str | No
     """
     if release is None:
         parsed = LATEST_RELEASE
-    elif isinstance(release, tuple):
-        parsed = release
     else:
-        m = re.fullmatch(r"(?:R_|Release_|rel-|v)?(\d{1,2})\.(\d{1,2})(?:\.\d{1,3})?", str(release).strip())
-        if m is None:
-            raise InputValueError(f"modelzoo_release: expected a release such as '2.4' or "
-                                  f"'Release_2.4.0', got {excerpt(release)}")
-        parsed = (int(m.group(1)), int(m.group(2)))
-    if not (isinstance(parsed, tuple) and len(parsed) == 2 and all(type(x) is int for x in parsed)):
-        raise InputValueError(f"modelzoo_release: expected (major, minor), got {excerpt(release)}")
+        parsed = parse_release_name(
+            release, r"(?:R_|Release_|rel-|v)?(\d{1,2})\.(\d{1,2})(?:\.\d{1,3})?",
+            key="modelzoo_release", example="'2.4' or 'Release_2.4.0'", shape="(major, minor)")
     if parsed < FIRST_RELEASE:
         raise InputValueError(f"modelzoo_release: {parsed[0]}.{parsed[1]} predates R_1.6.0, the first "
                               "release dlspass reads")

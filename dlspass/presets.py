@@ -9,6 +9,7 @@ defaults, with their sources).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -69,6 +70,23 @@ def preset_defaults(policy: str, fp16_type: str) -> PresetDefaults:
     if policy == "keras":
         return PresetDefaults(2.0**15, LARGEST_POW2_SCALE, 2.0**-14, 2000)
     raise InputValueError(f"policy: unknown preset {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def parse_release_name(release: str | tuple, pattern: str, *, key: str, example: str,
+                       shape: str) -> tuple[int, ...]:
+    """A release given as a tuple, or as a name whose numbers ``pattern``'s groups capture, as
+    a tuple of ints with as many parts as ``shape`` names (``"(major, minor)"``); anything else is
+    an `InputValueError` naming ``key`` (Model Zoo and DeepSpeed releases)."""
+    if isinstance(release, tuple):
+        parsed: tuple = release
+    else:
+        m = re.fullmatch(pattern, str(release).strip())
+        if m is None:
+            raise InputValueError(f"{key}: expected a release such as {example}, got {excerpt(release)}")
+        parsed = tuple(int(g) for g in m.groups())
+    if not (len(parsed) == shape.count(",") + 1 and all(type(x) is int for x in parsed)):
+        raise InputValueError(f"{key}: expected {shape}, got {excerpt(release)}")
+    return parsed
 
 
 def excerpt(value: object) -> str:
