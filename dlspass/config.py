@@ -406,6 +406,8 @@ _CLIPPING = ("max_gradient_norm", "max_gradient_value")
 def _scaling_rules(config: DLSConfig) -> tuple:
     """What a scaler's state follows, resolved: two configs with equal rules can share a state."""
     c = config
-    return (c.enabled, c.dynamic, c.init_scale, c.min_scale, c.max_scale, c.growth_interval,
+    # the policy too: presets with equal numbers still differ in rule (deepspeed and
+    # deepspeed-0.17.0 read the same counter differently)
+    return (c.policy, c.enabled, c.dynamic, c.init_scale, c.min_scale, c.max_scale, c.growth_interval,
             c.growth, c.backoff, c.hysteresis_steps, c.tolerance, c.overflow_check,
             c.consecutive_hysteresis, c.on_scale_floor)

@@ -436,6 +436,10 @@ def test_grad_scaler_keywords_reach_every_policy_parameter(ds_loss_scaler):
     assert dlspass.GradScaler(config=base).config == base
     with pytest.raises(ConfigError, match="hysteresis"):
         dlspass.GradScaler(config=base, hysteresis=0)
+    # a live scaler's state follows its policy: one with the same numbers is still refused
+    ds = DLSConfig(policy="deepspeed")
+    with pytest.raises(ConfigError, match="policy"):
+        ds.with_overrides_keeping_state(policy="deepspeed-0.17.0")
 
 
 # ---- the eager GradScaler and a captured step against the tools ----------------------------------
