@@ -106,6 +106,9 @@ class GradScaler:
     (no host sync); a subclass that sets it False reads the flag and does not call it.
     """
     steps_on_overflow: bool = True
+    # a config whose floor is below 2**-126 unscales by dividing (scale_policy.divides);
+    # TorchGradScaler keeps torch's multiplication by the reciprocal, whatever the scale
+    _divide_below_normal: bool = True
 
     def __init__(
         self,
@@ -310,7 +313,8 @@ class GradScaler:
         if grads:
             scale = scale.to(grads[0].device)
         if cfg.enabled:
-            unscaled = scale_policy.unscale(grads, scale, cfg)
+            unscaled = scale_policy.unscale(grads, scale,
+                                            cfg if self._divide_below_normal else None)
         else:
             unscaled = [g.to(torch.float32) for g in grads]
         isfinite, norm = distributed.check_overflow_distributed(

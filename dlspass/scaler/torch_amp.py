@@ -43,6 +43,8 @@ class TorchGradScaler(GradScaler, torch.amp.GradScaler):
     docs/TORCH_AMP_DIFFERENCES.md lists every difference and the test that shows it.
     """
 
+    _divide_below_normal = False  # torch's arithmetic: times the reciprocal (and its guard)
+
     def __init__(
         self,
         device: str = "cuda",
