@@ -225,15 +225,22 @@ def divides(config: DLSConfig | None) -> bool:
     return config is not None and config.min_scale < FLOAT32_SMALLEST_NORMAL
 
 
+def in_math_dtype(grad: Tensor) -> Tensor:
+    """``grad`` in the dtype the scaler's arithmetic runs in: float32, or float64 for a float64
+    gradient (torch.amp unscales those in double too; float32 would round them and turn values
+    beyond its range into inf, skipping a step that should run)."""
+    return grad if grad.dtype == torch.float64 else grad.to(torch.float32)
+
+
 def unscale(grads: Sequence[Tensor], loss_scale: Tensor,
             config: DLSConfig | None = None) -> list[Tensor]:
-    """Gradients divided by the scale, in float32 (fp16 gradients are accepted): times the
-    float32 reciprocal, or (`divides`, a floor below 2**-126) divided."""
+    """Gradients divided by the scale, in float32 (fp16 gradients are accepted; float64 ones stay
+    float64): times the float32 reciprocal, or (`divides`, a floor below 2**-126) divided."""
     s = loss_scale.to(torch.float32)
     if divides(config):
-        return [g.to(torch.float32) / s for g in grads]
+        return [in_math_dtype(g) / s for g in grads]
     inv = torch.reciprocal(s)
-    return [g.to(torch.float32) * inv for g in grads]
+    return [in_math_dtype(g) * inv for g in grads]
 
 
 def global_norm(grads: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:
@@ -290,7 +297,7 @@ def dls_tail(
     if config.enabled:
         unscaled = unscale(grads, loss_scale, config)
     else:
-        unscaled = [g.to(torch.float32) for g in grads]
+        unscaled = [in_math_dtype(g) for g in grads]
     isfinite, norm = _tail_check(unscaled, loss_scale, config)
     return clip(unscaled, norm, config), isfinite, norm
 

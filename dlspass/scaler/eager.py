@@ -287,7 +287,7 @@ class GradScaler:
             # backward; only clipping is left to do here.
             cfg = self._active_config
             if cfg.max_gradient_norm is not None or cfg.max_gradient_value is not None:
-                unscaled = [g.to(torch.float32) for g in grads]
+                unscaled = [scale_policy.in_math_dtype(g) for g in grads]
                 norm = scale_policy.global_norm(unscaled) if cfg.max_gradient_norm is not None else None
                 torch._foreach_copy_(grads, clip(unscaled, norm, cfg))
             rec["isfinite"] = backend_flag.to(device)
@@ -316,7 +316,7 @@ class GradScaler:
             unscaled = scale_policy.unscale(grads, scale,
                                             cfg if self._divide_below_normal else None)
         else:
-            unscaled = [g.to(torch.float32) for g in grads]
+            unscaled = [scale_policy.in_math_dtype(g) for g in grads]
         isfinite, norm = distributed.check_overflow_distributed(
             unscaled, weights, cfg, group, device=scale.device)
         if grads:
