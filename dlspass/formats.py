@@ -221,7 +221,10 @@ def round_bits(
         sub = ((q << c.shift) + c.min_normal_bits).view(torch.float32) - c.min_normal
         r = torch.where(ac < c.min_normal_bits, sub.view(torch.int32), r)
     if saturate:
-        r = torch.where(ac >= _INF_BITS, _INF_BITS, torch.clamp(r, max=c.max_bits))
+        # `>` and not `>=`: inductor's AVX2 code for an integer `>=`, `<=` or `!=` mask inside
+        # a `where` selects the wrong branch (torch 2.13, vectorised loops only), which made
+        # every saturated value inf; `>` and `<` compile correctly on every ISA
+        r = torch.where(ac > _INF_BITS - 1, _INF_BITS, torch.clamp(r, max=c.max_bits))
     else:
         r = torch.where(r > c.max_bits, _INF_BITS, r)
     if flush_to_zero:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -399,3 +402,35 @@ def test_op_fake_and_decomposition_agree_on_strides(layout, name, switches):
     assert eager.stride() == fake.stride() == out_val.stride() == decomposed.stride(), (
         eager.stride(), fake.stride(), out_val.stride(), decomposed.stride())
     assert eager.stride() == torch.empty_like(x).stride()
+
+
+_ISA_SCRIPT = """
+import sys, torch
+from dlspass import formats as F
+x = torch.tensor([5e9, 4.3e9, 4.2e9, 1e38, 3e38, float("inf"), 1.0, -5e9, 2.0**-40, 0.0] * 8)
+bad = []
+for s in (False, True):
+    for z in (False, True):
+        got = torch.compile(F.round_bits, dynamic=False)(x, "cbfloat16", s, z)
+        want = F.round_bits(x, "cbfloat16", s, z)
+        if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+            bad.append((s, z, got[:10].tolist(), want[:10].tolist()))
+print(torch.backends.cpu.get_cpu_capability(), bad)
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_compiled_round_bits_equals_eager_under_each_vector_isa(isa, tmp_path):
+    """round_bits compiled by inductor under a vector ISA equals its eager run bit for bit (the
+    same int32 ops). Under AVX2, inductor's vectorised integer `>=` inside a `where` picked the
+    wrong branch, so every saturated value came back inf; each run gets its own inductor cache
+    (a kernel compiled under one ISA is not a test of another)."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa,
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    capability, bad = out.stdout.strip().splitlines()[-1].split(" ", 1)
+    if capability.lower() != isa:
+        pytest.skip(f"this CPU runs {capability}, not {isa}")
+    assert bad == "[]", bad
