@@ -208,10 +208,12 @@ def _mapping(value: Any, where: str) -> Mapping:
 def _read_current(data: Mapping, src: str) -> dict[str, Any] | None:
     """The checked keys of trainer.init.precision; None when there is no precision callback."""
     trainer = _mapping(data["trainer"], f"{src}trainer")
+    _refuse_near_misses(trainer, _TRAINER_SECTIONS, f"{src}trainer.")
     init = trainer.get("init", _MISSING)
     if init is _MISSING:
         return None
     init = _mapping(init, f"{src}trainer.init")
+    _refuse_near_misses(init, _INIT_SECTIONS, f"{src}trainer.init.")
     precision = init.get("precision", _MISSING)
     if precision is _MISSING or precision is None:
         # trainer/validate.py: `precision: Optional[MixedPrecision config] = None`, and
@@ -249,7 +251,8 @@ def _read_legacy(data: Mapping, src: str) -> dict[str, Any]:
             where = f"{src}{section}.{_key(key)}"
             if key in known:
                 out[f"{section}.{key}"] = _CHECKERS[key](value, where)
-            elif isinstance(key, str) and len(key) < 200 and difflib.get_close_matches(key, known, 1, _TYPO_CUTOFF):
+            elif near_miss(key, known) is not None or isinstance(key, str) and len(key) < 200 \
+                    and difflib.get_close_matches(key, known, 1, _TYPO_CUTOFF):
                 raise InputValueError(f"{where}: unknown key{_hint(key, known)}")
     return out
 
@@ -298,8 +301,71 @@ def _name(rules: ModelZooRules) -> str:
     return f"{rules.release[0]}.{rules.release[1]}"
 
 
+# Letters other scripts draw like Latin ones (Unicode's confusables for the Latin lowercase
+# letters of Model Zoo's keys): a key spelled with one of them is a different key to a dict.
+_CONFUSABLE = str.maketrans({
+    "а": "a", "в": "b", "с": "c", "ԁ": "d", "е": "e", "һ": "h", "н": "h", "і": "i", "ј": "j",
+    "к": "k", "ӏ": "l", "м": "m", "о": "o", "р": "p", "ԛ": "q", "ѕ": "s", "т": "t", "ц": "u",
+    "ѵ": "v", "ԝ": "w", "х": "x", "у": "y", "α": "a", "β": "b", "ε": "e", "η": "n", "ι": "i",
+    "κ": "k", "ν": "v", "ο": "o", "ρ": "p", "τ": "t", "υ": "u", "χ": "x", "ı": "i",
+})
+# The sections a precision setting lives in, by the mapping that holds them: a key next to
+# them that is a near miss of one is a typo that would read as "no precision settings".
+_TOP_SECTIONS = ("trainer", *_LEGACY_SECTIONS)
+_TRAINER_SECTIONS = ("init",)
+_INIT_SECTIONS = ("precision", "logging")
+
+
+def _skeleton(key: str) -> str:
+    import unicodedata
+
+    return unicodedata.normalize("NFKC", key).casefold().translate(_CONFUSABLE)
+
+
+def _edit_distance(a: str, b: str, cap: int) -> int:
+    """Levenshtein distance with adjacent transpositions, or ``cap + 1`` once it exceeds ``cap``."""
+    if abs(len(a) - len(b)) > cap:
+        return cap + 1
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        if min(cur) > cap:
+            return cap + 1
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def near_miss(key: Any, known: Collection[str]) -> str | None:
+    """The known name ``key`` is a near miss of (another case, a confusable letter from another
+    script, one or two edits), or None. ``key`` itself being known is no miss."""
+    if not isinstance(key, str) or key in known or len(key) > 200:
+        return None
+    sk = _skeleton(key)
+    for name in known:
+        cap = 1 if len(name) <= 5 else 2
+        if sk == name or _edit_distance(sk, name, cap) <= cap:
+            return name
+    return None
+
+
+def _refuse_near_misses(body: Mapping, known: Collection[str], where: str) -> None:
+    """One line naming the first key of ``body`` that is a near miss of a section in ``known``."""
+    for key in body:
+        close = near_miss(key, known)
+        if close is not None:
+            raise InputValueError(
+                f"{where}{_key(key)}: unknown key, a near miss of {close!r} (a misspelt section "
+                "would silently read as no precision settings); spell it exactly")
+
+
 def _hint(key: Any, known: Mapping) -> str:
-    close = difflib.get_close_matches(str(key)[:200], list(known), 1, 0.6)
+    close = [near_miss(key, known)] if near_miss(key, known) else \
+        difflib.get_close_matches(str(key)[:200], list(known), 1, 0.6)
     if close:
         return f" (did you mean {close[0]!r}?)"
     return "; known keys: " + ", ".join(sorted(known))
@@ -436,6 +502,7 @@ def settings_from_params(data: dict[str, Any], *, fields: Collection[str], sourc
     if modelzoo_model is None and "trainer" not in data:
         modelzoo_model = model_from_params(data)
     rules = None if modelzoo_release is None else modelzoo_rules(modelzoo_release, modelzoo_model)
+    _refuse_near_misses(data, _TOP_SECTIONS, src)
     legacy_present = any(
         isinstance(data.get(s), Mapping) and any(k in data[s] for k in keys)
         for s, keys in _LEGACY_SECTIONS.items()

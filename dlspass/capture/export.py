@@ -17,14 +17,13 @@ import copy
 import dataclasses
 import importlib
 import io
-import os
-import sys
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from dlspass.errors import InputValueError
+from dlspass.files.paths import cwd_searched_last
 from dlspass.files.quiet import quiet_torch
 from dlspass.graph import roles
 from dlspass.passes.merge_placeholders_pass import MergePlaceholdersPass
@@ -34,10 +33,11 @@ def _resolve_factory(spec: str) -> Any:
     if spec.count(":") != 1 or not all(spec.split(":")):
         raise InputValueError(f"{spec!r}: expected MODULE:FACTORY, e.g. mypkg.models:make_model")
     mod_name, attr = spec.split(":")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`: modules beside the user resolve
     try:
-        module = importlib.import_module(mod_name)
+        # the current folder is searched, but last: a module found nowhere else resolves from
+        # it, a file there named like an installed module (filelock.py) replaces nothing
+        with cwd_searched_last():
+            module = importlib.import_module(mod_name)
     except ImportError as e:
         raise InputValueError(f"{spec!r}: cannot import module {mod_name!r} ({e})") from None
     fn = getattr(module, attr, None)

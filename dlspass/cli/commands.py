@@ -337,7 +337,7 @@ def inspect(
     Example: dlspass inspect step.pt2 --diff joint.pt2 --format html -o report.html
     """
     from dlspass.debug.inspect_report import FORMATS, render, summarize_file
-    from dlspass.files.atomic_write import write_atomic
+    from dlspass.files.atomic_write import write_text_atomic
     from dlspass.files.paths import check_output_path
 
     if fmt not in FORMATS:
@@ -350,7 +350,7 @@ def inspect(
     if out is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     else:
-        write_atomic(out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+        write_text_atomic(out, text)
         print(f"wrote {printable(str(out))}", file=sys.stderr)
 
 
@@ -421,8 +421,13 @@ def run(argv: list[str] | None = None) -> int:
     if not args:
         # Bare `dlspass` shows the help and succeeds (click would exit 2 for no_args_is_help).
         args = ["--help"]
+    from dlspass.files.paths import cwd_searched_last
+
     try:
-        rv: Any = app(args=args, prog_name="dlspass", standalone_mode=False)
+        # a command imports more (torch, lazily, and a factory's module): nothing of it may
+        # come from a file in the current folder that happens to share its name
+        with cwd_searched_last():
+            rv: Any = app(args=args, prog_name="dlspass", standalone_mode=False)
     except click_exc.UsageError as exc:
         where = exc.ctx.command_path if exc.ctx is not None else "dlspass"
         print(f"dlspass: error: {_one_line(exc.format_message())} (see '{where} --help')",

@@ -354,9 +354,10 @@ def _kernels(codes: dict[str, list[str]]) -> dict[str, Any]:
 
 
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    # a fixed `report.html.tmp` name would be written through a symlink planted under it
+    from dlspass.files.atomic_write import write_text_atomic
+
+    write_text_atomic(path, text)
 
 
 @torch.no_grad()

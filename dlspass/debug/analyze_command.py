@@ -8,7 +8,7 @@ from pathlib import Path
 # the factory is resolved as `dlspass export` resolves it
 from dlspass.capture.export import _resolve_factory
 from dlspass.debug.precision_risk import RENDER_FORMATS, AnalyzeError, analyze, judge, render
-from dlspass.files.atomic_write import write_atomic
+from dlspass.files.atomic_write import write_text_atomic
 from dlspass.files.bounded_text import printable
 from dlspass.files.paths import check_output_path
 from dlspass.format_ranges import RANGES, get_range
@@ -41,5 +41,5 @@ def run_analyze(factory: str, fmt: str, output: Path | None, formats: str | None
     if out is None:
         sys.stdout.write(text)
     else:
-        write_atomic(out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+        write_text_atomic(out, text)
         print(f"wrote {printable(str(out))}", file=sys.stderr)

@@ -9,12 +9,18 @@ folder and ``os.replace``s it onto ``path``. What it also guarantees:
   the process dies of it (the handler is installed for the write only, in the main thread, and
   chains to the handler that was there before); ``KeyboardInterrupt`` and exceptions remove it
   through the ``except`` below. Only ``SIGKILL`` (or a power cut) can leave one behind;
-* with ``fsync=True`` the data and the folder entry are on disk before it returns.
+* with ``fsync=True`` the data and the folder entry are on disk before it returns;
+* nothing is written through a path an attacker may have planted: the temporary file is
+  created exclusively (``mkstemp``: ``O_CREAT | O_EXCL``, a name nobody could predict), it must
+  still be that file (same device and inode, not a link) when ``write`` returns, and
+  ``os.replace`` replaces a symlink at ``path`` itself rather than the file it points to (a
+  symlinked target keeps no mode either: the new file gets ``new_mode``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import stat
@@ -37,10 +43,17 @@ def write_atomic(path: str | Path, write: Callable[[str], object], *, fsync: boo
     folder = path.parent if str(path.parent) else Path(".")
     mode = _mode_for(path, new_mode)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=str(folder))
-    os.close(fd)
+    try:
+        made = os.fstat(fd)
+    finally:
+        os.close(fd)
     with _removed_on_signal(tmp):
         try:
             write(tmp)
+            now = os.lstat(tmp)
+            if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (made.st_dev, made.st_ino):
+                raise FileExistsError(errno.EEXIST, "the temporary file was replaced while "
+                                      "being written; not moved onto the target", tmp)
             if fsync:
                 _fsync(tmp, os.O_RDONLY)
             os.chmod(tmp, mode)
@@ -54,11 +67,18 @@ def write_atomic(path: str | Path, write: Callable[[str], object], *, fsync: boo
             _fsync(str(folder), os.O_RDONLY)
 
 
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """``text`` written to ``path`` as UTF-8 by ``write_atomic``."""
+    write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
 def _mode_for(path: Path, new_mode: int | None) -> int:
     try:
-        return stat.S_IMODE(path.stat().st_mode)
+        st = path.lstat()  # a symlink is replaced, not followed: its target's mode is not ours
     except OSError:
-        pass
+        st = None
+    if st is not None and stat.S_ISREG(st.st_mode):
+        return stat.S_IMODE(st.st_mode)
     if new_mode is not None:
         return new_mode
     umask = os.umask(0)

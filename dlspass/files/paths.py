@@ -7,7 +7,10 @@ or cannot be written.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from dlspass.errors import InputValueError
@@ -42,3 +45,27 @@ def check_output_path(path: str | Path, suffixes: tuple[str, ...]) -> Path:
     if p.is_dir():
         raise InputValueError(f"{p}: output path is a folder")
     return p
+
+
+def _is_cwd(entry: str) -> bool:
+    try:
+        return entry in ("", ".") or os.path.samefile(entry, os.getcwd())
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def cwd_searched_last() -> Iterator[None]:
+    """``sys.path`` with the current folder moved to its end (appended if absent) while inside.
+
+    ``python -m``/``-c`` put the current folder first, so a ``filelock.py`` lying in it would
+    replace the installed ``filelock`` at the next lazy import of it (torch imports several
+    lazily). Searched last, the folder still resolves a user's module found nowhere else
+    (``dlspass export mymodel:make`` beside ``mymodel.py``) but shadows nothing installed.
+    """
+    saved = list(sys.path)
+    sys.path[:] = [e for e in saved if not _is_cwd(e)] + [os.getcwd()]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
