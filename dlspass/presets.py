@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from dlspass.errors import InputValueError
+from dlspass.files.bounded_text import excerpt as bounded_excerpt
 
 # The choices are written once, as the types of DLSConfig's fields; the tuples are their values.
 FP16Type = Literal["float16", "bfloat16", "cbfloat16"]
@@ -90,19 +91,6 @@ def parse_release_name(release: str | tuple, pattern: str, *, key: str, example:
 
 
 def excerpt(value: object) -> str:
-    """A bounded, one-line rendering of ``value`` for error messages (never a full ``repr``).
-
-    Long strings are cut, containers show their type and size, huge integers their bit length:
-    a 50 MB string or an alias tree from a YAML file cannot blow up an error line.
-    """
-    if isinstance(value, str):
-        head = value[:_EXCERPT]
-        text = repr(head)
-        return text if len(value) <= _EXCERPT else f"{text[:-1]}...' ({len(value)} characters)"
-    if isinstance(value, bool) or value is None or isinstance(value, float):
-        return repr(value)
-    if isinstance(value, int):
-        return repr(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
-    if isinstance(value, (list, tuple, dict, set, frozenset)):
-        return f"{type(value).__name__} of {len(value)} items"
-    return f"a {type(value).__name__}"
+    """A bounded, one-line rendering of ``value`` for error messages (never a full ``repr``):
+    `dlspass.files.bounded_text.excerpt` in the wording of configuration errors."""
+    return bounded_excerpt(value, _EXCERPT, plain=True)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dlspass.errors import InputValueError
+from dlspass.files.bounded_text import excerpt
 from dlspass.files.atomic_write import write_atomic
 from dlspass.files.file_meta import META_FILE, check_pt2_meta
 from dlspass.files.paths import check_input_file
@@ -54,7 +55,40 @@ def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[s
             raise InputValueError(f"{p}: its {META_FILE} is not valid JSON") from None
     check_pt2_meta(meta, str(p), len(ep.graph_signature.output_specs),  # shape of dlspass.json
                    check_config=roles.config_from_record)
+    check_node_custom(ep.graph_module, str(p))
     return ep, meta
+
+
+# The node metadata dlspass reads back (``dlspass.graph.roles``) and the type each must have:
+# read with ``.get`` by every pass and report, a dict where a role string belongs would fail
+# deep inside one of them.
+_CUSTOM_STRINGS = (roles.ROLE_KEY, roles.TARGET_KEY, roles.PASS_KEY, roles.ROUNDED_KEY,
+                   roles.MODE_KEY)
+
+
+def check_node_custom(gm: torch.fx.GraphModule, source: str) -> None:
+    """``InputValueError`` naming the node and key when a node's ``meta["custom"]`` (in ``gm`` or
+    any of its subgraphs) is not a mapping of strings, or a dlspass key in it has the wrong type."""
+    for mod in gm.modules():
+        graph = getattr(mod, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            custom = node.meta.get("custom")
+            where = f"{source}: node {excerpt(node.name, 80)}: custom metadata"
+            if custom is None:
+                continue
+            if not isinstance(custom, dict) or not all(isinstance(k, str) for k in custom):
+                raise InputValueError(f"{where}: expected a mapping with string keys, got {excerpt(custom)}")
+            for key in _CUSTOM_STRINGS:
+                if key in custom and not isinstance(custom[key], str):
+                    raise InputValueError(f"{where} {key!r}: expected a string, got {excerpt(custom[key])}")
+            spec = custom.get(roles.OUTPUTS_KEY)
+            if spec is not None and not (isinstance(spec, list) and all(
+                    isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
+                    and (e[1] is None or isinstance(e[1], str)) for e in spec)):
+                raise InputValueError(f"{where} {roles.OUTPUTS_KEY!r}: expected a list of "
+                                      f"[role, target] pairs of strings, got {excerpt(spec)}")
 
 
 def save_program(ep: torch.export.ExportedProgram, path: Path, meta: dict[str, Any] | None) -> None:

@@ -1,6 +1,14 @@
 """``dlspass analyze`` on an exported joint program (``.pt2`` from ``dlspass export``).
 
-The joint graph (forward, loss and backward) runs once in float32 under an FX ``Interpreter`` on
+What runs: nothing before the checks ``inspect`` and ``verify`` make (``load_program``), then
+nothing but tensor arithmetic: `check_runnable` refuses every operator that does more than
+compute tensors (higher-order operators: loops that may never end, ``print``; operators outside
+``aten``/``prims``/``dlspass``, which could be anything) and, from a run on fake tensors that
+allocates nothing, any value larger than `MAX_VALUE_FACTOR` times the program's inputs
+(example inputs, parameters, buffers and constants; at least `MIN_VALUE_ELEMENTS`) or values
+adding up to more than `MAX_TOTAL_FACTOR` times them (at least `MIN_TOTAL_ELEMENTS`). Only then
+
+the joint graph (forward, loss and backward) runs once in float32 under an FX ``Interpreter`` on
 the example inputs the program was exported with; every floating-point value it makes becomes a
 `precision_risk.Sample`: an *activation* upstream of the loss, an *activation gradient* downstream
 of the backward seed, a *parameter gradient* for each gradient output (named by its parameter).
@@ -22,6 +30,7 @@ from torch.utils import _pytree as pytree
 from dlspass.capture.joint_step import joint_graph
 from dlspass.capture.pt2_io import load_program
 from dlspass.debug.precision_risk import AnalyzeError, Sample, sample
+from dlspass.files.bounded_text import printable
 from dlspass.graph import roles
 from dlspass.graph.marks import MARK_OP
 from dlspass.passes.mark_seed_pass import joint_seeds
@@ -46,6 +55,7 @@ def calibrate_program(path: Path) -> list[Sample]:
     targets = _targets(jg)
     values = [next(iter_user) if k == "input" else state[t]
               for iter_user in [iter(user)] for k, t in zip(jg.kinds, targets, strict=True)]
+    check_runnable(jg.gm, values, source)
     graph = jg.gm.graph
     placeholders = graph.find_nodes(op="placeholder")
     param_of = {ph: t for ph, k, t in zip(placeholders, jg.kinds, targets, strict=True) if k == "param"}
@@ -81,6 +91,96 @@ def calibrate_program(path: Path) -> list[Sample]:
     if not any(s.kind == "param_grad" for s in samples):
         raise AnalyzeError(f"{source}: the program computes no parameter gradient: nothing to analyze")
     return samples
+
+
+MIN_VALUE_ELEMENTS = 2**22
+"""Elements any one value may have whatever the inputs (16 MiB in float32)."""
+MAX_VALUE_FACTOR = 64
+"""How many times the elements of all inputs together one value may have."""
+MIN_TOTAL_ELEMENTS = 2**26
+"""Elements all values together may have whatever the inputs (256 MiB in float32; the run
+keeps every floating-point value it makes)."""
+MAX_TOTAL_FACTOR = 1024
+"""How many times the elements of all inputs together all values may have."""
+_NAMESPACES = frozenset({"aten", "prims", "dlspass"})
+_EFFECTS = frozenset({"aten::_print"})
+
+
+def _refusal(target: Any) -> str | None:
+    import operator
+
+    from torch._export.serde.serialize import _SYM_OPS
+
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return (f"higher-order operator {target.name()!r} (control flow that may loop without end, "
+                "output, or code of its own)")
+    if isinstance(target, torch._ops.OpOverload):
+        if target.namespace not in _NAMESPACES or target._schema.name in _EFFECTS:
+            return f"operator {target._schema.name!r} (not plain tensor arithmetic)"
+        return None
+    if target is operator.getitem or target in _SYM_OPS:
+        return None
+    return f"call target {printable(str(target))[:80]!r}"
+
+
+class _Refused(Exception):
+    pass
+
+
+def check_runnable(gm: fx.GraphModule, values: list[Any], source: str) -> None:
+    """Refuse (``AnalyzeError``) a graph ``analyze`` must not run on ``values``: an operator that
+    does more than compute tensors, or a value (or all values together) above the bounds derived
+    from the size of ``values`` (module doc). Shapes come from a run on fake tensors, which
+    allocates nothing: the shapes the file records are not trusted."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for n in gm.graph.nodes:
+        if n.op in ("call_module", "call_method"):
+            raise AnalyzeError(f"{source}: analyze does not run a graph with {n.op} nodes")
+        if n.op == "call_function":
+            why = _refusal(n.target)
+            if why is not None:
+                raise AnalyzeError(f"{source}: analyze runs tensor arithmetic only; node "
+                                   f"{printable(n.name)[:80]!r} calls {why}")
+    inputs = sum(t.numel() for t in values if isinstance(t, Tensor))
+    per_value = max(MIN_VALUE_ELEMENTS, MAX_VALUE_FACTOR * inputs)
+    budget = max(MIN_TOTAL_ELEMENTS, MAX_TOTAL_FACTOR * inputs)
+    total = 0
+    refused: list[str] = []
+
+    class _Sizer(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            nonlocal total
+            result = super().run_node(n)
+            if n.op == "placeholder":
+                return result
+            for t in pytree.tree_leaves(result):
+                if isinstance(t, Tensor):
+                    size = t.numel()
+                    if size > per_value:
+                        refused.append(
+                            f"{source}: node {printable(n.name)[:80]!r} would allocate "
+                            f"{size:,} elements, more than analyze allows for inputs of "
+                            f"{inputs:,} ({per_value:,})")
+                        raise _Refused
+                    total += size
+            if total > budget:
+                refused.append(f"{source}: the values of the program would take more than "
+                                   f"{budget:,} elements, more than analyze allows for inputs of "
+                                   f"{inputs:,}")
+                raise _Refused
+            return result
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(v) if isinstance(v, Tensor) else v for v in values]
+    try:
+        with mode, torch.no_grad():
+            _Sizer(gm).run(*fakes)
+    except Exception as e:
+        if refused:  # the Interpreter appends the node's text to what passes through it
+            raise AnalyzeError(refused[0]) from None  # data-dependent shapes, a node fake tensors cannot run
+        raise AnalyzeError(f"{source}: analyze cannot bound what the program allocates "
+                           f"({type(e).__name__}); not run") from None
 
 
 def _targets(jg: Any) -> list[str | None]:

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from dlspass.errors import DLSInputError
+from dlspass.files.bounded_text import printable
 from dlspass.format_ranges import RANGES, FormatRange, get_range
 
 __all__ = ["DEFAULT_THRESHOLD", "SCALE_EXPONENTS", "AnalyzeError", "Analysis", "Sample", "analyze",
@@ -359,7 +360,8 @@ def _text(a: Analysis) -> str:
             lines.append(f"  first to overflow above the window: {', '.join(v.overflow_deciders)}")
         if v.underflow_deciders:
             lines.append(f"  first to underflow below the window: {', '.join(v.underflow_deciders)}")
-    return "\n".join(lines) + "\n"
+    # parameter and node names come from the model or the file: escaped, as inspect's are
+    return "\n".join(printable(line) for line in lines) + "\n"
 
 
 _KIND_TITLES = {"activation": "activations (scale 1)", "activation_grad": "activation gradients",

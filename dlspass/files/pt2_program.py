@@ -41,12 +41,17 @@ _EXPR_NAMES = frozenset({
     "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt", "RoundToInt",
     "ToFloat", "Identity",
 })
+# Left out, with the operators of _EFFECTS: ``print`` (torch formats its string with
+# ``str.format``, whose fields reach attributes and globals of its arguments: a secret printed by
+# any command that runs or re-traces the graph) and ``with_effects``, which runs such operators.
 _HOPS = frozenset({
     "cond", "while_loop", "while_loop_stack_output", "map_impl", "scan", "associative_scan",
     "wrap_with_set_grad_enabled", "wrap_with_autocast", "invoke_subgraph", "auto_functionalized",
-    "auto_functionalized_v2", "with_effects", "flex_attention", "flex_attention_backward",
-    "out_dtype", "run_const_graph", "print", "hints_wrapper", "_export_tracepoint",
+    "auto_functionalized_v2", "flex_attention", "flex_attention_backward",
+    "out_dtype", "run_const_graph", "hints_wrapper", "_export_tracepoint",
 })
+# Operator overloads whose effect is output, not a tensor (aten::_print writes its string).
+_EFFECTS = frozenset({"aten::_print"})
 MAX_EXPR_CHARS = 4096
 """Longest symbolic expression or guard."""
 MAX_GUARDS = 10_000
@@ -217,7 +222,7 @@ def _is_operator(obj: Any) -> bool:
     from torch._export.serde.serialize import _SYM_OPS
 
     if isinstance(obj, torch._ops.OpOverload):
-        return True
+        return obj._schema.name not in _EFFECTS
     if isinstance(obj, torch._ops.HigherOrderOperator):
         # control flow and functionalization only: others call compiled code, delegates or
         # Python functions named in their arguments
