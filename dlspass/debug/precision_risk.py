@@ -377,7 +377,7 @@ def _html(a: Analysis) -> str:
         r = RANGES[v.format]
         cls = "fit" if v.fits else "nofit"
         parts.append(f"<section class='format' data-format='{v.format}'><h2>{v.format}: "
-                     f"<span class='{cls}'>{html.escape(v.verdict)}</span></h2>")
+                     f"<span class='{cls}'>{html.escape(printable(v.verdict))}</span></h2>")
         shift = v.recommended_exponent or 0
         for kind in KINDS:
             hist: dict[int, int] = {}
