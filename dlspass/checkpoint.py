@@ -119,6 +119,7 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
+    _check_declared_size(path)
     # torch.load allocates the sizes a file declares before reading them: only torch.save's
     # zip format is read, and its directory is bounded first (a zip bomb is refused from it)
     if not zipfile.is_zipfile(path):
@@ -140,6 +141,26 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"{path}: checkpoint version {data.get('version')!r} is newer than "
                               f"this dlspass understands ({VERSION})")
     return data
+
+
+MAX_CHECKPOINT_BYTES = 4 * 2**30
+"""Largest checkpoint file read (it is read whole into memory, then loaded from there)."""
+MAX_LATEST_TRIES = 8
+"""Most unreadable files newer than the one `latest_checkpoint` returns."""
+
+
+def _check_declared_size(path: Path) -> None:
+    """Refuse, from its size alone, a file too large to read or with holes: ``torch.save``
+    writes every byte, so a file whose blocks on disk cover far less than its size is not one
+    (a 6 GiB sparse file takes 4 kB of disk and 6 GiB of memory to read)."""
+    st = path.stat()
+    if st.st_size > MAX_CHECKPOINT_BYTES:
+        raise CheckpointError(f"{path}: {st.st_size:,} bytes, more than the {MAX_CHECKPOINT_BYTES:,} "
+                              "a checkpoint may have")
+    blocks = getattr(st, "st_blocks", None)
+    if blocks is not None and st.st_size > 2**20 and blocks * 512 < st.st_size // 2:
+        raise CheckpointError(f"{path}: a sparse file ({st.st_size:,} bytes, {blocks * 512:,} on "
+                              "disk): not a checkpoint torch.save wrote")
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -361,7 +382,9 @@ def latest_checkpoint(directory: str | Path, stem: str = "ckpt") -> Path | None:
 
     Temporary files of an interrupted save are ignored, and so is a damaged file (one that
     does not load, or whose step, scaler state or RNG state `check_checkpoint` refuses): the
-    next older one is returned.
+    next older one is returned. Each file's size is checked before it is read (sparse and
+    oversized files are refused unread); after `MAX_LATEST_TRIES` unreadable files it raises
+    `CheckpointError` rather than read on.
     """
     d = Path(directory)
     if not d.is_dir():
@@ -371,10 +394,18 @@ def latest_checkpoint(directory: str | Path, stem: str = "ckpt") -> Path | None:
         m = _NAME.match(p.name)
         if m and m.group("stem") == stem and p.is_file():
             found.append((int(m.group("step")), p))
+    refused = 0
     for _, p in sorted(found, reverse=True):
         try:
             check_checkpoint(read_checkpoint(p), p)
         except CheckpointError:
+            refused += 1
+            if refused >= MAX_LATEST_TRIES:
+                # returning None would restart the run from scratch; so would an hour spent
+                # reading decoys: say so instead
+                raise CheckpointError(f"{d}: the {MAX_LATEST_TRIES} newest checkpoints named "
+                                      f"{stem}-*.pt are all unreadable; remove them or name one "
+                                      "to load") from None
             continue
         return p
     return None

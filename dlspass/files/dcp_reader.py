@@ -22,6 +22,7 @@ import io
 import os
 import pickle
 import stat
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,14 @@ MAX_ITEM_BYTES = 64 * 2**20
 MAX_TOTAL_BYTES = 256 * 2**20
 """Most bytes of storage entries one folder may make this reader hold (a scaler state is a
 few kilobytes)."""
+MAX_TOTAL_INFLATED = 256 * 2**20
+"""Most bytes the distinct storage entries of one folder may inflate to, together."""
+MAX_ENTRIES = 100_000
+"""Most storage entries one ``.metadata`` may list."""
+MAX_METADATA_OBJECTS = 2_000_000
+"""Most objects the unpickled metadata may reach, a shared object counted each time it is
+reached: a pickle can share one tuple twice at every level, so 30 levels in a few hundred bytes
+reach 2**30 objects, which ``str`` or any walk of them would expand."""
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
@@ -87,16 +96,47 @@ def _read_checked(folder: Path) -> tuple[Any, Blobs]:
 
     if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):
         raise UnsafeCheckpointError(f"{path}: not DCP metadata")
+    _check_object_count(meta, path)  # before anything formats or walks it
+    if len(meta.storage_data) > MAX_ENTRIES:
+        raise UnsafeCheckpointError(f"{path}: {len(meta.storage_data):,} storage entries "
+                                    f"(more than {MAX_ENTRIES:,})")
     blobs: Blobs = {}
-    total = 0
+    total = inflated = 0
     for index, info in meta.storage_data.items():
-        blob = _check_storage(folder, index, info)
+        key = (getattr(info, "relative_path", None), getattr(info, "offset", None),
+               getattr(info, "length", None))
+        if key in blobs:  # entries sharing one storage: read, checked and counted once
+            continue
+        blob, size = _check_storage(folder, index, info)
         total += len(blob)
-        if total > MAX_TOTAL_BYTES:
+        inflated += size
+        if total > MAX_TOTAL_BYTES or inflated > MAX_TOTAL_INFLATED:
             raise UnsafeCheckpointError(f"{folder}: its storage entries hold more than "
-                                        f"{MAX_TOTAL_BYTES:,} bytes")
-        blobs[(info.relative_path, info.offset, info.length)] = blob
+                                        f"{MAX_TOTAL_BYTES:,} bytes or inflate to more than "
+                                        f"{MAX_TOTAL_INFLATED:,}")
+        blobs[key] = blob
     return meta, blobs
+
+
+def _check_object_count(meta: Any, path: Path) -> None:
+    """Refuse metadata that reaches more than ``MAX_METADATA_OBJECTS`` objects (shared ones
+    counted each time), walking at most that many."""
+    stack, seen = [meta], 0
+    while stack:
+        obj = stack.pop()
+        seen += 1
+        if seen > MAX_METADATA_OBJECTS:
+            raise UnsafeCheckpointError(f"{path}: the DCP metadata reaches more than "
+                                        f"{MAX_METADATA_OBJECTS:,} objects")
+        if isinstance(obj, (str, bytes, int, float, bool, type(None), torch.dtype)):
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
 
 
 def _regular(path: Path, limit: int) -> int:
@@ -111,8 +151,9 @@ def _regular(path: Path, limit: int) -> int:
     return st.st_size
 
 
-def _check_storage(folder: Path, index: Any, info: Any) -> bytes:
-    """The bytes of one storage entry, once they are a bounded torch.save zip in the folder."""
+def _check_storage(folder: Path, index: Any, info: Any) -> tuple[bytes, int]:
+    """The bytes of one storage entry, once they are a bounded torch.save zip in the folder,
+    and the bytes its members declare they inflate to."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     name = getattr(info, "relative_path", None)
@@ -136,9 +177,11 @@ def _check_storage(folder: Path, index: Any, info: Any) -> bytes:
     from dlspass.files.pt2_archive import UnsafeArchiveError, check_zip_bounds
 
     try:
-        return check_zip_bounds(blob, f"storage entry {excerpt(str(index), 80)}")
+        blob = check_zip_bounds(blob, f"storage entry {excerpt(str(index), 80)}")
     except UnsafeArchiveError as e:
         raise UnsafeCheckpointError(f"{folder}: {e}") from None
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:  # read_view checked this directory
+        return blob, sum(i.file_size for i in z.infolist())
 
 
 def _reader_and_planner(folder: Path, meta: Any, blobs: Blobs) -> tuple[Any, Any]:

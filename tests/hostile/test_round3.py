@@ -240,6 +240,120 @@ def test_analyze_escapes_parameter_names(tmp_path: Path, fmt: str) -> None:
     assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text  # ... escaped
 
 
+# ---- 4. readers bound their work before doing it ----------------------------------------------
+
+def _scaler_folder(folder: Path) -> Path:
+    from dlspass.checkpoint import save_scaler
+    from dlspass.scaler import GradScaler
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_scaler(GradScaler(init_scale=2.0**10), str(folder))
+    return folder
+
+
+def _rewrite_metadata(folder: Path, edit) -> Path:
+    import pickle
+
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # our own file: trusted here
+    edit(meta)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    return folder
+
+
+@pytest.mark.parametrize("where", ["planner_data", "index"])
+def test_dcp_metadata_sharing_one_tuple_is_refused_before_it_is_walked(tmp_path: Path, where: str) -> None:
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from dlspass.checkpoint import CheckpointError
+    from dlspass.files.dcp_reader import read_metadata
+
+    tree: tuple = ()
+    for _ in range(22):  # 2**22 leaves, a few hundred bytes pickled: str() of it is 25 MB
+        tree = (tree, tree)
+
+    def edit(meta):
+        if where == "planner_data":
+            meta.planner_data = {"x": tree}
+        else:
+            info = next(iter(meta.storage_data.values()))
+            info.relative_path = "../elsewhere"  # an error that quotes the index
+            meta.storage_data = {MetadataIndex(fqn=tree): info}
+
+    folder = _rewrite_metadata(_scaler_folder(tmp_path / "dcp"), edit)
+    assert len((folder / ".metadata").read_bytes()) < 4096
+    with pytest.raises(CheckpointError.__mro__[1]) as info:  # InputValueError
+        read_metadata(folder)
+    assert "objects" in str(info.value) and len(str(info.value)) < 600
+    del pickle
+
+
+@pytest.mark.parametrize("copies", [64, 4106])
+def test_dcp_entries_sharing_one_storage_are_checked_once(tmp_path: Path, copies: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from dlspass.files import dcp_reader, pt2_archive
+
+    def edit(meta):
+        info = next(iter(meta.storage_data.values()))
+        meta.storage_data = {MetadataIndex(fqn=f"copy{i}"): info for i in range(copies)}
+
+    folder = _rewrite_metadata(_scaler_folder(tmp_path / "dcp"), edit)
+    calls = []
+    real = pt2_archive.check_zip_bounds
+    monkeypatch.setattr(pt2_archive, "check_zip_bounds", lambda *a, **k: calls.append(1) or real(*a, **k))
+    dcp_reader.read_metadata(folder)
+    assert len(calls) == 1  # today: once per entry (4,106 inflations of one zip)
+
+
+def test_latest_checkpoint_stops_after_a_few_unreadable_files(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlspass import checkpoint as ck
+
+    good = ck.save_checkpoint(ck.checkpoint_path(tmp_path, 1), torch.nn.Linear(2, 2), None, None,
+                              None, step=1)
+    for step in range(2, 102):  # 100 decoys newer than the good one
+        ck.checkpoint_path(tmp_path, step).write_bytes(good.read_bytes()[:-10])
+    reads = []
+    real = ck.read_checkpoint
+    monkeypatch.setattr(ck, "read_checkpoint", lambda p, *a, **k: reads.append(p) or real(p, *a, **k))
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.latest_checkpoint(tmp_path)
+    assert "unreadable" in str(info.value)
+    assert len(reads) <= 8  # today: all 100 decoys are read, then the good one returned
+
+
+@pytest.mark.parametrize("hole", [64 * 2**20, 6 * 2**30])
+def test_sparse_checkpoint_is_refused_from_its_size(tmp_path: Path, hole: int) -> None:
+    from dlspass import checkpoint as ck
+
+    good = ck.save_checkpoint(tmp_path / "good.pt", torch.nn.Linear(2, 2), None, None, None, step=1)
+    sparse = tmp_path / "sparse.pt"
+    with open(sparse, "wb") as f:
+        f.seek(hole)  # a hole: no blocks on disk
+        f.write(good.read_bytes())  # a valid zip at the end: zipfile finds it
+    if os.stat(sparse).st_blocks * 512 >= hole:
+        pytest.skip("this file system does not make sparse files")
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.read_checkpoint(sparse)  # today: reads the whole hole (6 GiB: MemoryError)
+    assert "sparse" in str(info.value)
+
+
+def test_oversized_checkpoint_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlspass import checkpoint as ck
+
+    good = ck.save_checkpoint(tmp_path / "good.pt", torch.nn.Linear(2, 2), None, None, None, step=1)
+    monkeypatch.setattr(ck, "MAX_CHECKPOINT_BYTES", good.stat().st_size - 1, raising=False)
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.read_checkpoint(good)
+    assert "more than" in str(info.value)
+
+
 # ---- 5. writers never write through a planted path -----------------------------------------------
 
 def test_atomic_write_never_writes_through_a_symlinked_target(tmp_path: Path) -> None:
