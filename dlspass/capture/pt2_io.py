@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from dlspass.errors import InputValueError
-from dlspass.files.bounded_text import excerpt
 from dlspass.files.atomic_write import write_atomic
+from dlspass.files.bounded_text import excerpt
 from dlspass.files.file_meta import META_FILE, check_pt2_meta
 from dlspass.files.paths import check_input_file
 from dlspass.files.pt2_archive import read_checked_pt2, save_pt2

@@ -191,6 +191,8 @@ def export(
 
     Tied parameters (one tensor under two names, e.g. an embedding shared with the output layer) become one parameter under its first name, trained with the sum of both gradients as torch.optim does; the file's metadata records the merge as "tied": {dropped name: kept name} (shown by `dlspass inspect`, carried into the step by `dlspass transform`). A model torch cannot export (torch.export.export or the trace of its backward fails) exits 2 with one line naming torch's error; exit 3 is kept for failures inside dlspass.
 
+    MODULE is imported from sys.path with the current folder searched last: a module beside you resolves, a file there named like an installed module (filelock.py) is never imported in its place.
+
     Example: dlspass export tests.cli_factories:mlp -o mlp.pt2
     """
     from dlspass.capture.export import export_factory
@@ -365,6 +367,8 @@ def analyze(
     threshold: Annotated[float, typer.Option("--threshold", help="Largest fraction of the model's parameter-gradient values allowed to flush to zero (dlspass.analyze's DEFAULT_THRESHOLD).")] = 0.005,
 ) -> None:
     """Does the model fit float16, bfloat16, cbfloat16, float8? The window of loss scales and a recommended initial_loss_scale per format, from float32 calibration steps.
+
+    What it runs: MODULE:FACTORY imports and calls your code (MODULE from sys.path, the current folder searched last). JOINT.pt2 runs the file's graph once on its example inputs, after the checks of inspect and verify, and only if every node is plain tensor arithmetic (no print, no loops) and no value exceeds a bound set by the size of its inputs (checked on fake tensors first); otherwise exit 2 and nothing runs.
 
     Example: dlspass analyze mypkg.models:make --format html -o risk.html (or: dlspass analyze joint.pt2)
     """

@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import operator
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from hostile_files import SENTINEL, edit_json, members, rewrite, run_cli, run_cli_batch
+from hostile_files import SENTINEL, edit_json, run_cli, run_cli_batch
 
 _MODEL = """
 import torch
@@ -243,10 +241,10 @@ def test_analyze_escapes_parameter_names(tmp_path: Path, fmt: str) -> None:
 # ---- 4. readers bound their work before doing it ----------------------------------------------
 
 def _scaler_folder(folder: Path) -> Path:
+    import warnings
+
     from dlspass.checkpoint import save_scaler
     from dlspass.scaler import GradScaler
-
-    import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -265,7 +263,6 @@ def _rewrite_metadata(folder: Path, edit) -> Path:
 
 @pytest.mark.parametrize("where", ["planner_data", "index"])
 def test_dcp_metadata_sharing_one_tuple_is_refused_before_it_is_walked(tmp_path: Path, where: str) -> None:
-    import pickle
 
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -289,7 +286,6 @@ def test_dcp_metadata_sharing_one_tuple_is_refused_before_it_is_walked(tmp_path:
     with pytest.raises(CheckpointError.__mro__[1]) as info:  # InputValueError
         read_metadata(folder)
     assert "objects" in str(info.value) and len(str(info.value)) < 600
-    del pickle
 
 
 @pytest.mark.parametrize("copies", [64, 4106])
@@ -465,5 +461,3 @@ def test_exact_sections_beside_unrelated_keys_still_read(tmp_path: Path) -> None
     cfg = DLSConfig.from_yaml(str(path))
     assert cfg.mixed_precision and cfg.loss_scale == "dynamic"
 
-
-del sys, members, rewrite
