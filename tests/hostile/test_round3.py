@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hostile_files import SENTINEL, edit_json, run_cli, run_cli_batch
+from hostile_files import SENTINEL, edit_json, members, rewrite, run_cli, run_cli_batch
 
 _MODEL = """
 import torch
@@ -178,6 +178,47 @@ def test_custom_metadata_of_the_wrong_type_is_exit_2(step: Path, tmp_path: Path,
     for res in results.values():
         _one_error_line(res)
         assert "dlspass_role" in res.stderr
+
+
+def _target_edit(name: str):
+    def edit(obj):
+        hit = False
+        for node in obj["graph_module"]["graph"]["nodes"]:
+            custom = json.loads(node["metadata"].get("custom", "{}"))
+            if "dlspass_target" in custom:
+                custom["dlspass_target"] = name
+                node["metadata"]["custom"] = json.dumps(custom)
+                hit = True
+        assert hit, "no node with a target"
+    return edit
+
+
+def _meta_edit(src: Path, dst: Path, key: str, value) -> Path:
+    _, files = members(src)
+    meta = json.loads(files["extra/dlspass.json"])
+    meta[key] = value
+    return rewrite(src, dst, {"extra/dlspass.json": json.dumps(meta).encode()})
+
+
+@pytest.mark.parametrize("where", ["target", "tied"])
+def test_surrogates_and_noncharacters_from_a_file_are_escaped(step: Path, joint: Path, tmp_path: Path,
+                                                              where: str) -> None:
+    import xml.dom.minidom
+
+    nasty = "w\udc80\ufffe\ufdd0"
+    if where == "target":
+        bad = edit_json(step, tmp_path / "t.pt2", "models/model.json", _target_edit(nasty))
+    else:
+        bad = _meta_edit(joint, tmp_path / "t.pt2", "tied", {nasty: "fc.weight"})
+    fmts = ("text", "json", "svg", "html")
+    results = run_cli_batch({f: (["inspect", bad, "--format", f, "-o", f"r.{f}"], tmp_path)
+                             for f in fmts}, timeout=120)
+    for f, res in results.items():
+        assert res.rc == 0, (f, res.stderr)  # today: exit 3, "surrogates not allowed"
+        text = (tmp_path / f"r.{f}").read_text(encoding="utf-8")
+        assert not any(c in text for c in "\udc80\ufffe\ufdd0"), f
+    xml.dom.minidom.parse(str(tmp_path / "r.svg"))  # a valid XML document
+    json.loads((tmp_path / "r.json").read_text())
 
 
 def test_non_utf8_file_names_are_shown_escaped(step: Path, tmp_path: Path) -> None:
