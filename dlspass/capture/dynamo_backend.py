@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from dlspass.capture.cache_facts import inductor_key_config
 from dlspass.capture.step_config import resolve_config
 from dlspass.config import ConfigError, DLSConfig
 from dlspass.graph import roles
@@ -145,7 +146,10 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
         def compile_graph(g: fx.GraphModule, ex: list[Any], is_backward: bool,
                           is_inference: bool) -> Callable:
             DecomposeForInductorPass()(g)
-            with inductor_config.patch({**INDUCTOR_CONFIG, **(inductor_config_extra or {})}):
+            # the CPU facts in the cache key (dlspass.capture.cache_facts): a cache entry made
+            # under another vector ISA or thread count is a miss, never a wrong hit
+            with inductor_config.patch({**INDUCTOR_CONFIG, **inductor_key_config(),
+                                        **(inductor_config_extra or {})}):
                 if is_backward:
                     return cfx.compile_fx_backward(g, ex, compiler_config_extra=extra)
                 return cfx.compile_fx_forward(g, ex, num_orig_model_outputs=n_outputs,

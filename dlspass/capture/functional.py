@@ -381,11 +381,13 @@ def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
+    from dlspass.capture.cache_facts import inductor_key_config
     from dlspass.formats import INDUCTOR_CONFIG
 
     gm = clone_step_graph(gm)  # the rewritten graph stays inspectable, with its rounding op
     DecomposeRoundingPass(form="cast")(gm)
-    with inductor_config.patch(INDUCTOR_CONFIG):
+    # the CPU facts in the cache key (dlspass.capture.cache_facts)
+    with inductor_config.patch({**INDUCTOR_CONFIG, **inductor_key_config()}):
         return compile_fx(gm, example)
 
 
