@@ -40,21 +40,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
-from torch import Tensor
 
-from dlspass.capture import dynamo_backend, step_pipeline
+from dlspass.capture.aot import step_backend
 from dlspass.capture.dynamo_backend import BACKEND_COMPILERS
+from dlspass.capture.dynamo_source import find_seed, tag_aot_graph, tag_backward_grads
 from dlspass.capture.live_optimizer import SUPPORTED_NAMES, LiveOptimizer, functionalize_live
-from dlspass.capture.step_config import NO_SCALING, resolve_config
-from dlspass.capture.step_pipeline import StepCaptureError, param_targets
-from dlspass.capture.telemetry import step_telemetry
+from dlspass.capture.runner import StepRunner
+from dlspass.capture.step_pipeline import StepCaptureError, param_targets, refuse_dtensor_params
+from dlspass.capture.step_plan import StepPlan, resolve_plan
 from dlspass.config import ConfigError, DLSConfig, FP16Type, PrecisionMode
 from dlspass.errors import DLSPassError
-from dlspass.graph import roles
-from dlspass.graph.marks import resolve_marks
 from dlspass.passes.base import GraphPass
-from dlspass.passes.remove_placeholder_aliases_pass import RemovePlaceholderAliasesPass
 
 CompileError = StepCaptureError
 """The name ``dlspass.compile``'s error had before `StepCaptureError` (the same class)."""
@@ -64,144 +62,14 @@ class StepNotCallableError(StepCaptureError, TypeError):
     """``dlspass.compile`` was given something that is not callable as the step."""
 
 
-# ---- the AOT graph rewrite ----------------------------------------------------------------------
-
-def find_seed(graph: fx.Graph) -> fx.Node:
-    """The backward seed: the ``ones_like`` of a 0-d value that every gradient depends on."""
-    grads = roles.nodes_with_role(graph, roles.GRAD)
-    if not grads:
-        raise StepCaptureError("the step computes no gradients: call loss.backward() before optimizer.step()")
-    # the nodes every gradient depends on
-    ancestors = set.intersection(*(roles.ancestors([g]) for g in grads))
-    # a ones_like/full_like of a non-scalar (``x * torch.ones_like(x)`` in the model) is
-    # model arithmetic, not a seed: loss.backward() seeds with a 0-d ones_like(loss)
-    seeds = [n for n in ancestors if n.op == "call_function"
-             and n.target in roles.SEED_OPS
-             and _is_scalar(n)]
-    if len(seeds) != 1:
-        raise StepCaptureError(f"expected one backward seed (ones_like(loss)) in the step, found {len(seeds)}: "
-                           "call loss.backward() exactly once on a scalar loss (to accumulate "
-                           "micro-batches, sum their losses and call backward on the sum)")
-    return seeds[0]
-
-
-def _is_scalar(node: fx.Node) -> bool:
-    """True when ``node``'s value (its fake value, else its first argument's) is 0-d."""
-    val = node.meta.get("val")
-    if not isinstance(val, Tensor) and node.args and isinstance(node.args[0], fx.Node):
-        val = node.args[0].meta.get("val")
-    return isinstance(val, Tensor) and val.dim() == 0
-
-
-def tag_aot_graph(gm: fx.GraphModule) -> None:
-    """Give the AOTAutograd step graph the role contract ``apply_dls`` reads (dlspass.graph.roles).
-
-    Placeholder roles move from their markers onto the placeholders; the outputs AOT returns
-    for mutated inputs (``copy(placeholder, new)``) get the update role of their placeholder,
-    the rest are user outputs (LOSS); the backward seed gets SEED.
-    """
-    resolve_marks(gm)
-    RemovePlaceholderAliasesPass()(gm)
-    graph = gm.graph
-    for node in graph.find_nodes(op="placeholder"):
-        if roles.role_of(node) is None:
-            roles.set_role(node, roles.INPUT, node.name)
-    out_roles: list[tuple[str, str | None]] = []
-    for val in roles.output_values(graph):
-        ph = val.args[0] if (isinstance(val, fx.Node) and val.target is torch.ops.aten.copy.default) else None
-        if isinstance(ph, fx.Node) and ph.op == "placeholder" and roles.role_of(ph) in roles.UPDATE_OF_SOURCE:
-            out_roles.append((roles.UPDATE_OF_SOURCE[roles.role_of(ph)], roles.target_of(ph)))
-        else:
-            out_roles.append((roles.LOSS, None))
-    roles.set_output_roles(graph, out_roles)
-    seed = find_seed(graph)
-    roles.set_role(seed, roles.SEED)
-    tag_backward_grads(graph, seed)
-    graph.lint()
-    gm.recompile()
-
-
-def tag_backward_grads(graph: fx.Graph, seed: fx.Node) -> None:
-    """Tag BACKWARD_GRAD on what ``loss.backward()`` stored in the ``.grad`` of each parameter
-    the optimizer steps, where the step's own code changed it before ``optimizer.step`` (a
-    ``clip_grad_norm_``): the GRAD node marked at ``optimizer.step`` is then that code's result,
-    and the DLS passes must unscale the gradient before that code reads it.
-
-    dynamo traces backward's store into ``.grad`` as ``copy(empty_like(param), grad)``
-    (``torch._dynamo.polyfills.accumulate_grad``, ``.grad`` being None: ``zero_grad`` sets it
-    so); the first such node after the seed is backward's.
-    """
-    after_seed = roles.descendants([seed])
-    stored: dict[str | None, fx.Node] = {}  # parameter name -> backward's store
-    for node in after_seed:
-        empty = node.args[0] if node.target is torch.ops.aten.copy.default else None
-        if isinstance(empty, fx.Node) and empty.target is torch.ops.aten.empty_like.default:
-            param = empty.args[0]
-            if isinstance(param, fx.Node) and roles.role_of(param) == roles.PARAM:
-                stored.setdefault(roles.target_of(param), node)
-    for grad in roles.nodes_with_role(graph, roles.GRAD):
-        name = roles.target_of(grad)
-        if name not in stored and grad in after_seed:
-            # never silently: the step's code would read scaled gradients
-            raise StepCaptureError(f"dlspass.compile: cannot find where loss.backward() stored "
-                                   f"the gradient of {name!r} (this torch version traces it "
-                                   f"otherwise); report it with your torch version")
-    for name, node in stored.items():
-        # untagged when the optimizer reads it unchanged: then it is the GRAD node itself
-        if roles.role_of(node) is None:
-            roles.set_role(node, roles.BACKWARD_GRAD, name)
-
-
-def _make_step_rewrite(step: CompiledStep) -> dynamo_backend.Rewrite:
-    """The rewrite of the AOT step graph that ``dynamo_backend.aot_backend`` applies before it
-    compiles the graph: the step pipeline (tagging, graph passes, collectives, DLS, verify, the
-    in-place updates), then the extra inputs the graph passes asked for."""
-
-    def rewrite(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list[Any], Callable[[Callable], Callable]]:
-        group = step.process_group
-        data_parallel = None if group is None else step_pipeline.DataParallel(group)
-        inputs = step_pipeline.step_inputs(step.graph_passes, step.extra_inputs)
-        gm, extra = step_pipeline.run_step_pipeline(
-            gm, step.config, tag=tag_aot_graph, graph_passes=step.graph_passes,
-            data_parallel=data_parallel, write_in_place=True, extra_inputs=inputs)
-        step.graphs.append(gm)
-        if not extra:
-            return example_inputs, lambda compiled: compiled
-        providers = [inputs[t] for t in extra]
-        fake_mode = torch._guards.detect_fake_mode(example_inputs)
-        extra_examples = [p() for p in providers]
-        if fake_mode is not None:
-            extra_examples = [fake_mode.from_tensor(t) for t in extra_examples]
-
-        def wrap(compiled: Callable) -> Callable:
-            # the extra inputs are read when the graph runs, so changing them never recompiles
-            def run(args: list[Any]) -> Any:
-                return compiled([*args, *(p() for p in providers)])
-
-            run._boxed_call = True  # type: ignore[attr-defined]
-            return run
-
-        return [*example_inputs, *extra_examples], wrap
-
-    return rewrite
-
-
-def _step_inductor_config(example_inputs: list[Any]) -> dict[str, Any]:
-    """Inductor settings for a whole training step.
-
-    On CPU, inductor gives every convolution channels-last inputs whenever oneDNN is available
-    (``GraphLowering.decide_layout_opt``, an inference heuristic). A training step then converts
-    weights, activations and gradients between layouts at every convolution, and the optimizer
-    update, which the step graph holds, reads channels-last gradients beside contiguous
-    parameters: a ResNet-18 step took 623 ms against 341 ms without it (tools/bench/RESULTS.md).
-    """
-    cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, Tensor))
-    return {"layout_optimization": False} if cpu else {}
+# the AOT graph's tagging lives in dlspass.capture.dynamo_source (these names stay importable here)
+__all__ = ["CompileError", "CompiledStep", "StepNotCallableError", "compile", "find_seed",
+           "tag_aot_graph", "tag_backward_grads"]
 
 
 # ---- public entry point ----------------------------------------------------------------------
 
-class CompiledStep:
+class CompiledStep(StepRunner):
     """The callable ``dlspass.compile`` returns: call it like the original step.
 
     Hooks on the AOT graph (both read when the step is first called, which compiles it):
@@ -223,50 +91,27 @@ class CompiledStep:
     on the overflow flag (see `compile`).
     """
 
-    def __init__(self, fn: Callable, optimizer: torch.optim.Optimizer, scaler: Any,
-                 config: DLSConfig, backend_compiler: str,
-                 graph_passes: Sequence[GraphPass] = (),
-                 process_group: Any = None, broadcast_params: bool = True,
-                 model: torch.nn.Module | None = None) -> None:
+    def __init__(self, fn: Callable, optimizer: torch.optim.Optimizer, plan: StepPlan,
+                 broadcast_params: bool = True, model: torch.nn.Module | None = None) -> None:
         functionalize_live(optimizer, param_targets(optimizer, model))  # an unsupported optimizer fails here
+        super().__init__(plan, optimizer)
         self.fn = fn
-        self.optimizer = optimizer
-        self.scaler = scaler
-        self.config = config
-        self.backend_compiler = backend_compiler
+        self.backend_compiler = plan.backend_compiler
         self.graphs: list[fx.GraphModule] = []  # the rewritten AOT graphs, for inspection
-        self.graph_passes: list[GraphPass] = list(graph_passes)
-        self.telemetry = step_telemetry(config, self.graph_passes)
-        self.extra_inputs: dict[str, Callable[[], Tensor]] = {}
-        self.num_calls = 0
-        self.process_group = _resolve_process_group(process_group)
+        dp = plan.data_parallel
+        self.process_group = None if dp is None else dp.group
         self._broadcast_pending = broadcast_params and self.process_group is not None
-        self._ctx = LiveOptimizer(optimizer, scaler, config, model)
-        rewrite = _make_step_rewrite(self)
-
-        def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-            # the step has no backward graph of its own (its backward is traced into the
-            # forward); the step graph keeps its mutations as outputs (tag_aot_graph reads them)
-            return dynamo_backend.aot_backend(gm, example_inputs, rewrite, rewrite, self.backend_compiler,
-                                              mutations_in_graph=False,
-                                              inductor_config_extra=_step_inductor_config(example_inputs))
-
+        self._ctx = LiveOptimizer(optimizer, plan.scaler, plan.config, model)
+        # the plan goes down to the backend, which runs the pipeline itself (dlspass.capture.aot)
+        backend = functools.partial(step_backend, plan=plan, keep=self.graphs.append)
         self._compiled = torch.compile(_own_frame(fn), backend=backend, fullgraph=True)
         functools.update_wrapper(self, fn)
         self.__signature__ = inspect.signature(fn)
 
-    def graph_targets(self, model: torch.nn.Module | None = None) -> dict[str, str]:
-        """``{name: GRAD/PARAM target in the graph}`` for the optimizer's parameters.
-
-        Graph targets are the names of ``compile``'s ``model`` for its parameters and
-        ``group{i}.param{j}`` otherwise (`param_targets`); with ``model`` the keys are the
-        model's parameter names (``fc1.weight``), for parameters the optimizer updates.
-        """
-        return step_pipeline.graph_targets(self._ctx.names, model)
+    def _param_names(self) -> dict[int, str]:
+        return self._ctx.names
 
     def _broadcast(self) -> None:
-        import torch.distributed as dist
-
         group = self.process_group
         src = dist.get_global_rank(group, 0)
         with torch.no_grad():
@@ -278,7 +123,7 @@ class CompiledStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         opt = self.optimizer
         if self.num_calls == 0:
-            step_pipeline.refuse_dtensor_params(
+            refuse_dtensor_params(
                 "dlspass.compile", (p for g in opt.param_groups for p in g["params"]))
         if self._broadcast_pending:
             self._broadcast()
@@ -288,8 +133,7 @@ class CompiledStep:
         opt.step = self._ctx.step
         opt.zero_grad = self._ctx.zero_grad
         # found_inf, stepped() and the scale log follow every step that scales, as after update()
-        track = self.config.enabled and self.scaler is not None
-        skipped = self.scaler.state.num_skipped_steps.clone() if track else None
+        skipped = self.scaler.state.num_skipped_steps.clone() if self._scales() else None
         try:
             with torch._dynamo.config.patch(trace_autograd_ops=True,
                                             ignore_logging_functions=_ignored_logging_functions()):
@@ -297,8 +141,7 @@ class CompiledStep:
             # the step was this optimizer's step: LR schedulers check the flag to warn about
             # lr_scheduler.step() before optimizer.step()
             opt._opt_called = True  # type: ignore[attr-defined]
-            if track:
-                self.scaler.record_compiled_step(skipped, opt)
+            self._record(skipped)
             return out
         except torch._dynamo.exc.BackendCompilerFailed as e:
             # dynamo wraps whatever the AOT compiler raised; a dlspass error (CompileError,
@@ -354,20 +197,6 @@ def _ignored_logging_functions() -> set[Callable[..., Any]]:
     added = {getattr(logging.Logger, name) for name in vars(logging.Logger)
              if name in _LOGGING_METHODS or name.endswith("_once") or name == "warning_advice"}
     return set(torch._dynamo.config.ignore_logging_functions) | {f for f in added if callable(f)}
-
-
-def _resolve_process_group(process_group: Any) -> Any:
-    """The group to average over, or None; a group needs an initialised torch.distributed."""
-    if process_group is None:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError("process_group: torch.distributed is not initialised "
-                          "(call torch.distributed.init_process_group first)")
-    if process_group is True:
-        return dist.group.WORLD
-    return process_group
 
 
 def compile(
@@ -444,19 +273,9 @@ def compile(
             f"optimizer: expected a torch.optim optimizer, got {type(optimizer).__name__}; "
             f"supported: {SUPPORTED_NAMES}"
         )
-    resolved = resolve_config(config, scaler, fp16_type=fp16_type, mixed_precision=mixed_precision,
-                              max_gradient_norm=max_gradient_norm,
-                              precision_mode=precision_mode) or NO_SCALING
-    passes = list(graph_passes)
-    bad = [p for p in passes if not callable(p)]
-    if bad:
-        raise ConfigError(f"graph_passes: expected callables taking a GraphModule, got {bad[0]!r}")
-    if scaler is None and config is not None and resolved.enabled:
-        from dlspass.scaler import GradScaler
-
-        scaler = GradScaler(config=resolved, summary_writer=summary_writer)
-    elif scaler is not None and resolved.enabled and (
-            summary_writer is not None or (resolved.log_loss_scale and scaler.scale_log is None)):
-        scaler.log_scale(summary_writer)
-    return CompiledStep(fn, optimizer, scaler, resolved, backend_compiler, passes,
-                        process_group, broadcast_params, model)
+    plan = resolve_plan(config=config, scaler=scaler, graph_passes=graph_passes,
+                        process_group=process_group, write_in_place=True,
+                        backend_compiler=backend_compiler, summary_writer=summary_writer,
+                        fp16_type=fp16_type, mixed_precision=mixed_precision,
+                        max_gradient_norm=max_gradient_norm, precision_mode=precision_mode)
+    return CompiledStep(fn, optimizer, plan, broadcast_params, model)

@@ -33,19 +33,18 @@ overflow in any of them skips the step.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.fx as fx
 from torch import Tensor
+from torch._guards import detect_fake_mode
 
-from dlspass.capture.cache_facts import inductor_key_config
+# aot_backend and its hand-off live in dlspass.capture.aot; the names stay importable here
+from dlspass.capture.aot import Rewrite, aot_backend  # noqa: F401
+from dlspass.capture.aot import compiler_config_extra as _compiler_config_extra  # noqa: F401
 from dlspass.capture.step_config import resolve_config
 from dlspass.config import ConfigError, DLSConfig
-from dlspass.graph import roles
-from dlspass.passes.decompose_for_inductor_pass import DecomposeForInductorPass
 from dlspass.passes.lower_precision_pass import LowerPrecisionPass
 from dlspass.passes.scale_backward_pass import ScaleBackwardPass
 
@@ -92,136 +91,6 @@ def validate_options(options: dict[str, Any] | None,
 
 
 # ---- backends ----------------------------------------------------------------------------------
-
-# A rewrite of one AOT graph, in place: it returns the example inputs the rewritten graph takes
-# and a wrapper for the compiled callable (the identity unless the graph's signature changed).
-Rewrite = Callable[[fx.GraphModule, list[Any]], tuple[list[Any], Callable[[Callable], Callable]]]
-
-
-def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewrite,
-                bw_rewrite: Rewrite, backend_compiler: str, *, mutations_in_graph: bool = True,
-                inductor_config_extra: dict[str, Any] | None = None,
-                joint_rewrite: Callable[[fx.GraphModule], object] | None = None) -> Callable:
-    """AOTAutograd over dynamo's graph, each AOT graph rewritten, then compiled.
-
-    ``mutations_in_graph``: an inference graph keeps its input mutations as ``copy_`` nodes
-    (inductor's own setting); False returns them as outputs (the step graph's contract, which
-    ``tag_aot_graph`` reads). ``inductor_config_extra``: settings inductor compiles the graphs with,
-    besides ``dlspass.formats.INDUCTOR_CONFIG``. ``joint_rewrite``: a rewrite, in place, of the
-    joint forward-backward graph of a training graph before it is partitioned (after inductor's
-    joint-graph passes), so the partitioner chooses what to save among the rewritten values;
-    the joint graph's outputs (the forward's and the gradients) must keep their traced
-    dtypes. An inference graph has no joint graph: only ``fw_rewrite`` sees it.
-
-    For inductor this is inductor's own hand-off (``compile_fx``'s aot path): the joint graph
-    is traced once with inductor's decompositions and partitioner, and the rewritten forward
-    and backward graphs go to ``compile_fx_forward``/``compile_fx_backward`` (which call
-    ``compile_fx_inner`` with the output-stride and static-input bookkeeping inductor needs).
-    Handing an already-AOT'd graph to the top-level ``compile_fx`` instead re-traces it with
-    other decompositions, and a recorded ``view`` of a value whose strides changed fails
-    ("Cannot view a tensor ...", or a stride assertion in the generated code).
-    """
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
-
-    kwargs: dict[str, Any] = {}
-    if backend_compiler == "eager":
-        def compile_graph(g: fx.GraphModule, ex: list[Any], is_backward: bool,
-                          is_inference: bool) -> Callable:
-            return make_boxed_func(g.forward)
-
-        if joint_rewrite is not None:  # aot_autograd's own default partitioner after it
-            kwargs["partition_fn"] = _after(joint_rewrite, default_partition)
-    else:
-        from torch._inductor import compile_fx as cfx
-        from torch._inductor import config as inductor_config
-        from torch._inductor.decomposition import select_decomp_table
-
-        from dlspass.formats import INDUCTOR_CONFIG  # keeps the rounding casts
-
-        extra = _compiler_config_extra(cfx, gm, inductor_config)
-        n_outputs, n_inputs = cfx.get_num_model_outputs(gm), len(example_inputs)
-
-        def compile_graph(g: fx.GraphModule, ex: list[Any], is_backward: bool,
-                          is_inference: bool) -> Callable:
-            DecomposeForInductorPass()(g)
-            # the CPU facts in the cache key (dlspass.capture.cache_facts): a cache entry made
-            # under another vector ISA or thread count is a miss, never a wrong hit
-            with inductor_config.patch({**INDUCTOR_CONFIG, **inductor_key_config(),
-                                        **(inductor_config_extra or {})}):
-                if is_backward:
-                    return cfx.compile_fx_backward(g, ex, compiler_config_extra=extra)
-                return cfx.compile_fx_forward(g, ex, num_orig_model_outputs=n_outputs,
-                                              num_example_inputs=n_inputs, compiler_config_extra=extra,
-                                              is_inference=is_inference)
-
-        # ones_like/full_like stay whole through the trace: the step's backward seed is found as
-        # one (compiled_step.find_seed); so does empty_like, by which backward's store into a
-        # parameter's .grad is found (compiled_step.tag_backward_grads). DecomposeForInductorPass
-        # decomposes them afterwards
-        kept = (*roles.SEED_OPS, torch.ops.aten.empty_like.default)
-        table = {op: fn for op, fn in select_decomp_table().items() if op not in kept}
-        kwargs = {"decompositions": table, "partition_fn": cfx.partition_fn}
-        if joint_rewrite is not None:
-            # inductor's partition_fn runs its joint-graph passes, then (the override) the
-            # rewrite and the partitioner it would run (min-cut, unless configured otherwise)
-            partitioner = inductor_config.custom_partitioner_fn or min_cut_rematerialization_partition
-            kwargs["partition_fn"] = functools.partial(
-                cfx.partition_fn, partitioner_fn_override=_after(
-                    joint_rewrite, functools.partial(partitioner, compiler="inductor")))
-    kwargs["keep_inference_input_mutations"] = mutations_in_graph and backend_compiler != "eager"
-
-    def compiler(rewrite: Rewrite, is_backward: bool, is_inference: bool = False) -> Callable:
-        def run(g: fx.GraphModule, ex: Any) -> Callable:
-            ex, wrap = rewrite(g, list(ex))
-            return wrap(compile_graph(g, ex, is_backward, is_inference))
-
-        return run
-
-    backend = aot_autograd(fw_compiler=compiler(fw_rewrite, False), bw_compiler=compiler(bw_rewrite, True),
-                           inference_compiler=compiler(fw_rewrite, False, True), **kwargs)
-    if backend_compiler == "eager":
-        return backend(gm, example_inputs)
-    return _inductor_context(example_inputs, lambda: backend(gm, example_inputs))
-
-
-def _compiler_config_extra(cfx: Any, gm: fx.GraphModule, inductor_config: Any) -> Any:
-    """inductor's per-graph compile settings. torch 2.13 reads them from the graph module (its
-    meta can turn cudagraphs off); earlier releases (torch 2.11, the CUDA image the GPU
-    benchmark runs on) read inductor's config module instead."""
-    import inspect
-
-    first = next(iter(inspect.signature(cfx.create_compiler_config_extra).parameters))
-    return cfx.create_compiler_config_extra(inductor_config if first == "config" else gm)
-
-
-def _after(joint_rewrite: Callable[[fx.GraphModule], object], partition: Callable) -> Callable:
-    """A ``partition_fn``: ``partition`` of the joint graph once ``joint_rewrite`` rewrote it."""
-    def run(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-        joint_rewrite(joint)
-        return partition(joint, joint_inputs, **kwargs)
-
-    return run
-
-
-def _inductor_context(example_inputs: list[Any], build: Callable[[], Callable]) -> Callable:
-    """``build()`` inside the context inductor's ``_compile_fx_main`` sets up around its aot
-    call (inductor's joint-graph passes read the fake mode from ``V``)."""
-    from torch._dynamo import compiled_autograd
-    from torch._functorch import config as functorch_config
-    from torch._guards import detect_fake_mode
-    from torch._inductor import config as inductor_config
-    from torch._inductor.virtualized import V
-    from torch._subclasses import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import enable_python_dispatcher
-
-    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
-    with (enable_python_dispatcher(), V.set_fake_mode(fake_mode), compiled_autograd._disable(),
-          functorch_config.patch(unlift_effect_tokens=True,
-                                 selective_decompose=inductor_config.selective_decompose)):
-        return build()
-
 
 class DLSBackend:
     """A ``torch.compile`` backend: AOTAutograd, its graphs lowered to 16 bits (native: the
@@ -349,7 +218,5 @@ def make_backend(scaler: GradScaler | None = None, config: DLSConfig | None = No
 
 
 def _fake_like(example_inputs: list[Any], t: Tensor) -> Any:
-    from torch._guards import detect_fake_mode
-
     mode = detect_fake_mode(example_inputs)
     return mode.from_tensor(t) if mode is not None else t

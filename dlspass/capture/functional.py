@@ -27,14 +27,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dlspass.capture import step_pipeline
+from dlspass.capture.runner import StepRunner
 from dlspass.capture.step_config import resolve_config
 from dlspass.capture.step_pipeline import (
     DataParallel,
     GraphPass,
     StepCaptureError,
-    graph_targets,
     param_targets,
 )
+from dlspass.capture.step_plan import StepPlan
 from dlspass.capture.telemetry import step_telemetry
 from dlspass.config import DLSConfig, FP16Type, PrecisionMode
 from dlspass.errors import DLSPassError
@@ -230,7 +231,7 @@ def _trace_error(e: BaseException, what: str = "torch") -> StepCaptureError:
                             f"{type(e).__name__}: {msg}")
 
 
-class CapturedStep:
+class CapturedStep(StepRunner):
     """One training step as a graph: ``loss = step(batch)`` updates everything in place.
 
     Attributes: ``graph_module`` (the rewritten FX GraphModule), ``scaler`` (a
@@ -254,29 +255,23 @@ class CapturedStep:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, traced: fx.GraphModule,
-                 layout: StepLayout, fopt: Any, scaler: Any, config: DLSConfig | None, *,
-                 compile: bool = False, graph_passes: Sequence[GraphPass] = (),
-                 data_parallel: DataParallel | None = None) -> None:
+                 layout: StepLayout, fopt: Any, plan: StepPlan, *, compile: bool = False) -> None:
+        super().__init__(plan, optimizer)
         self.model = model
-        self.optimizer = optimizer
         self.layout = layout
-        self.config = config
-        self.scaler = scaler
         self.compile = compile
-        self.graph_passes: list[GraphPass] = list(graph_passes)
-        self.telemetry = step_telemetry(config, self.graph_passes)
-        self.extra_inputs: dict[str, Callable[[], Tensor]] = {}
-        self.num_calls = 0
         self._fopt = fopt
         self._static = fopt.static_signature()
         self._names = param_targets(optimizer, model)
         self._traced = traced  # tagged, before any pass: what `rebuild` starts from
-        self._data_parallel = data_parallel
         # (graph, runner, the hooks it was built for) by the hooks' ids; holding the hooks
         # keeps their ids from being reused
         self._builds: dict[tuple, tuple[fx.GraphModule, Callable[..., Any], tuple]] = {}
         self._built_for: tuple = ()
         self.rebuild()
+
+    def _param_names(self) -> dict[int, str]:
+        return self._names
 
     def _hooks(self) -> tuple[tuple, tuple]:
         """The hooks a build depends on, and a key for them (by identity: a pass need not be
@@ -289,11 +284,8 @@ class CapturedStep:
         ``compile`` (a combination built before is reused, not rebuilt)."""
         hooks, key = self._hooks()
         if key not in self._builds:
-            inputs = step_pipeline.step_inputs(self.graph_passes, self.extra_inputs)
-            gm, added = step_pipeline.run_step_pipeline(clone_step_graph(self._traced), self.config,
-                                          graph_passes=self.graph_passes,
-                                          data_parallel=self._data_parallel,
-                                          extra_inputs=inputs)
+            inputs = self.plan.inputs()
+            gm, added = step_pipeline.run_step_pipeline(clone_step_graph(self._traced), self.plan)
             providers = [inputs[t] for t in added]
             runner: Callable[..., Any] = gm
             if self.compile:
@@ -303,11 +295,6 @@ class CapturedStep:
             self._builds[key] = (gm, runner, hooks)
         self.graph_module, self._runner, _ = self._builds[key]
         self._built_for = key
-
-    def graph_targets(self, model: nn.Module | None = None) -> dict[str, str]:
-        """``{name: GRAD/PARAM target in the graph}`` for the parameters the graph updates or
-        reads; with ``model`` the keys are the model's parameter names (`param_targets`)."""
-        return graph_targets(self._names, model)
 
     def _example_inputs(self) -> list[Tensor]:
         """Inputs like the captured example's (zeros for the batch), to compile with."""
@@ -349,9 +336,8 @@ class CapturedStep:
         with torch.no_grad():
             out = list(self._runner(*flat))
         self._write_back(out)
-        if self.config is not None and self.config.enabled:
-            # found_inf, stepped() and the scale log follow the step, as after update()
-            self.scaler.record_compiled_step(skipped, self.optimizer)
+        # found_inf, stepped() and the scale log follow the step, as after update()
+        self._record(skipped)
         return out[-1]
 
     def _write_back(self, out: list[Tensor]) -> None:
@@ -501,5 +487,8 @@ def build_step(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimiz
     """Trace the step and wrap it as a ``CapturedStep``, which runs the step pipeline
     (`run_step_pipeline`) on it: the one assembly line of every captured step."""
     gm, layout, fopt = trace_step(model, loss_fn, optimizer, example_batch, config)
-    return CapturedStep(model, optimizer, gm, layout, fopt, _make_scaler(config, summary_writer), config,
-                        compile=compile, graph_passes=graph_passes, data_parallel=data_parallel)
+    passes = list(graph_passes)
+    plan = StepPlan(config=config, scaler=_make_scaler(config, summary_writer), graph_passes=passes,
+                    telemetry=step_telemetry(config, passes), data_parallel=data_parallel,
+                    backend_compiler="inductor" if compile else "eager")
+    return CapturedStep(model, optimizer, gm, layout, fopt, plan, compile=compile)

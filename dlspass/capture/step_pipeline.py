@@ -34,13 +34,13 @@ name parameters in the graph (`param_targets`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch
 import torch.fx as fx
 
+# DataParallel and step_inputs live with the plan; the names stay importable here
+from dlspass.capture.step_plan import DataParallel, GraphPass, StepPlan, step_inputs  # noqa: F401
 from dlspass.capture.telemetry import Telemetry
 from dlspass.config import ConfigError, DLSConfig
 from dlspass.distributed import is_dtensor
@@ -51,9 +51,6 @@ from dlspass.passes import apply_dls, check_graph
 from dlspass.passes.all_reduce_flag_pass import AllReduceFlagPass
 from dlspass.passes.all_reduce_grads_pass import AllReduceGradsPass
 from dlspass.passes.write_updates_in_place_pass import WriteUpdatesInPlacePass
-
-GraphPass = Callable[[fx.GraphModule], object]
-"""A rewrite of the role-tagged step graph, in place (its return value is ignored)."""
 
 BEFORE_DLS = "before_dls"
 AFTER_DLS = "after_dls"
@@ -96,22 +93,9 @@ def refuse_dtensor_params(entry: str, params: Iterable[torch.Tensor]) -> None:
             "dlspass.GradScaler or dlspass.TorchGradScaler (docs/DISTRIBUTED.md)")
 
 
-@dataclass(frozen=True)
-class DataParallel:
-    """Make the step one data-parallel step over ``group`` (None: the default group).
-
-    The gradients are averaged before DLS; with ``agree_flag`` a dynamic scale's overflow flag
-    is all-reduced after it (averaged gradients are already identical on every rank, so the
-    flag's all-reduce is insurance).
-    """
-
-    group: Any = None
-    agree_flag: bool = True
-
-
 def run_step_pipeline(
     gm: fx.GraphModule,
-    config: DLSConfig | None,
+    plan: StepPlan | DLSConfig | None,
     *,
     tag: Callable[[fx.GraphModule], None] | None = None,
     graph_passes: Sequence[GraphPass] = (),
@@ -121,7 +105,16 @@ def run_step_pipeline(
 ) -> tuple[fx.GraphModule, list[str]]:
     """Rewrite the step graph ``gm`` in place (module docstring) and return it, with the
     targets of the placeholders ``graph_passes`` appended, in graph order. Each such target
-    must be one of ``extra_inputs`` (what the front end can feed), else `StepCaptureError`."""
+    must be one of ``extra_inputs`` (what the front end can feed), else `StepCaptureError`.
+
+    ``plan``: the step's `StepPlan` (its config, graph passes, data parallelism, extra inputs
+    and write-back; the keywords other than ``tag`` are then not given), or the bare config.
+    """
+    if isinstance(plan, StepPlan):
+        config, graph_passes, data_parallel = plan.config, plan.graph_passes, plan.data_parallel
+        write_in_place, extra_inputs = plan.write_in_place, plan.inputs()
+    else:
+        config = plan
     phases = [pipeline_phase(p) for p in graph_passes]
     if config is not None and config.telemetry and not any(isinstance(p, Telemetry) for p in graph_passes):
         # never silently without it: the user asked for counts
@@ -173,17 +166,6 @@ def _check_added(gm: fx.GraphModule, n_inputs: int, extra_inputs: Collection[str
         raise StepCaptureError(f"a graph pass added input(s) {missing} that the step's extra_inputs "
                                f"does not provide (it provides: {sorted(extra_inputs)})")
     return added
-
-
-def step_inputs(graph_passes: Sequence[GraphPass],
-                extra_inputs: Mapping[str, Callable[[], torch.Tensor]]) -> dict[str, Callable[[], torch.Tensor]]:
-    """The input providers a front end feeds: its own ``extra_inputs``, and those a graph pass
-    object brings for the placeholders it adds (its ``extra_inputs`` attribute, as
-    ``dlspass.capture.telemetry.Telemetry`` has), so ``graph_passes=[pass]`` needs no access to the step."""
-    inputs = dict(extra_inputs)
-    for graph_pass in graph_passes:
-        inputs.update(getattr(graph_pass, "extra_inputs", {}))
-    return inputs
 
 
 def param_targets(optimizer: torch.optim.Optimizer,
