@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -300,3 +302,19 @@ def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     # only call nodes have an OpOverload target (the others name attributes or methods)
     return [n for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
             and n.target.namespace == "_c10d_functional" and "wait" not in n.target.__name__]
+
+
+# Names that moved to dlspass.checkpoint (scaler persistence has one home there): code written
+# against the release that had them here keeps working, with a DeprecationWarning naming the
+# new home. dlspass.checkpoint imports the scaler, which imports this module, so the name is
+# resolved at first access, by module name (an import at the top would be a cycle).
+MOVED_TO_CHECKPOINT = ("dcp_state_dict", "load_dcp_state_dict", "load_scaler", "save_scaler",
+                       "DCP_KEY")
+
+
+def __getattr__(name: str) -> Any:
+    if name in MOVED_TO_CHECKPOINT:
+        warnings.warn(f"dlspass.distributed.{name} moved to dlspass.checkpoint.{name}; "
+                      f"import it from dlspass.checkpoint", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module("dlspass.checkpoint"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
