@@ -77,7 +77,7 @@ DistributedSetupError = InputRuntimeError
 GradientLayoutError = InputValueError
 
 
-class UnsupportedLayoutError(GradientLayoutError, NotImplementedError):
+class UnsupportedLayoutError(GradientLayoutError):
     """A gradient layout the scaler cannot agree on over its group (e.g. a gradient sharded over
     a device-mesh dimension whose ranks are outside ``process_group``); the message names it."""
 

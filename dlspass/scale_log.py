@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from dlspass.config import DLSConfig
-from dlspass.errors import DLSInputError
+from dlspass.errors import InputValueError
 
 __all__ = ["DEFAULT_LOG_STEPS", "ScaleLogError", "ScaleLogger", "ScaleRecord", "ScalerLike", "log_steps"]
 
@@ -46,7 +46,7 @@ def log_steps(config: DLSConfig | None) -> int:
     return DEFAULT_LOG_STEPS if every is None else every
 
 
-class ScaleLogError(DLSInputError, ValueError):
+class ScaleLogError(InputValueError):
     """A bad ``ScaleLogger`` argument (a logging interval below 1, a scaler without state)."""
 
 

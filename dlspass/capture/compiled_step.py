@@ -51,15 +51,16 @@ from dlspass.capture.runner import StepRunner
 from dlspass.capture.step_pipeline import StepCaptureError, param_targets, refuse_dtensor_params
 from dlspass.capture.step_plan import StepPlan, resolve_plan
 from dlspass.config import ConfigError, DLSConfig, FP16Type, PrecisionMode
-from dlspass.errors import DLSPassError
+from dlspass.errors import DLSPassError, InputTypeError
 from dlspass.passes.base import GraphPass
 
 CompileError = StepCaptureError
 """The name ``dlspass.compile``'s error had before `StepCaptureError` (the same class)."""
 
 
-class StepNotCallableError(StepCaptureError, TypeError):
-    """``dlspass.compile`` was given something that is not callable as the step."""
+class StepNotCallableError(InputTypeError):
+    """``dlspass.compile`` was given something that is not callable as the step (an input
+    TypeError: one builtin base per error class, ``tests/test_errors.py``)."""
 
 
 # the AOT graph's tagging lives in dlspass.capture.dynamo_source (these names stay importable here)
