@@ -42,6 +42,12 @@ class GraphPassResult(PassResult):
         return self
 
 
+BEFORE_DLS = "before_dls"
+AFTER_DLS = "after_dls"
+PIPELINE_PHASES = (BEFORE_DLS, AFTER_DLS)
+"""Where a step's graph pass runs (its ``pipeline_phase``; a plain callable without one: `BEFORE_DLS`)."""
+
+
 class GraphPass(PassBase):
     """An FX rewrite with a ``name`` (its id in logs, provenance and ``dlspass_pass``).
 
@@ -53,6 +59,9 @@ class GraphPass(PassBase):
     """
 
     name: ClassVar[str] = ""
+    # where the step pipeline runs the pass when it is a step's graph pass (`PIPELINE_PHASES`):
+    # before the DLS passes (the default), or after them, on the lowered graph (the telemetry)
+    pipeline_phase: ClassVar[str] = BEFORE_DLS
 
     def __call__(self, graph_module: fx.GraphModule) -> GraphPassResult:
         return cast(GraphPassResult, super().__call__(graph_module))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import operator
+from typing import ClassVar
 
 import torch
 import torch.fx as fx
@@ -15,7 +16,7 @@ from dlspass.format_ranges import FormatRange, get_range, value_counts
 from dlspass.formats import is_round_node, round_node_args
 from dlspass.graph import roles
 from dlspass.graph.splice import insert_op, splice
-from dlspass.passes.base import GraphPass, GraphPassResult, PassContractError
+from dlspass.passes.base import AFTER_DLS, GraphPass, GraphPassResult, PassContractError
 from dlspass.precision_policy import VALUE_PRESERVING_OPS, PrecisionPolicy
 
 BUFFER_TARGET = "dlspass_telemetry"  # the input (role INPUT) the counts are written into
@@ -54,7 +55,7 @@ class InsertTelemetryPass(GraphPass):
     """
 
     name = "insert_telemetry"
-    pipeline_phase = "after_dls"
+    pipeline_phase: ClassVar[str] = AFTER_DLS
 
     def __init__(self, fmt: str = "float16", policy: PrecisionPolicy | None = None) -> None:
         self.range: FormatRange = get_range(fmt)

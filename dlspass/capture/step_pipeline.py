@@ -50,12 +50,10 @@ from dlspass.graph.invariants import verify
 from dlspass.passes import apply_dls, check_graph
 from dlspass.passes.all_reduce_flag_pass import AllReduceFlagPass
 from dlspass.passes.all_reduce_grads_pass import AllReduceGradsPass
-from dlspass.passes.write_updates_in_place_pass import WriteUpdatesInPlacePass
 
-BEFORE_DLS = "before_dls"
-AFTER_DLS = "after_dls"
-PIPELINE_PHASES = (BEFORE_DLS, AFTER_DLS)
-"""Where a graph pass runs (its ``pipeline_phase`` attribute; none: `BEFORE_DLS`)."""
+# the phases are GraphPass's class attribute (dlspass.passes.base); the names stay importable here
+from dlspass.passes.base import AFTER_DLS, BEFORE_DLS, PIPELINE_PHASES
+from dlspass.passes.write_updates_in_place_pass import WriteUpdatesInPlacePass
 
 
 def pipeline_phase(graph_pass: GraphPass) -> str:
