@@ -33,7 +33,9 @@ PrecisionMode = Literal["emulate", "native"]
 """How 16-bit ops run: ``emulate`` rounds in float32 containers, ``native`` casts to the dtype."""
 PRECISION_MODES: tuple[str, ...] = get_args(PrecisionMode)
 NATIVE_FORMATS: tuple[str, ...] = ("float16", "bfloat16")
-"""The formats with a hardware dtype: ``precision_mode="native"`` casts to them, and is their default."""
+"""The formats with a hardware dtype: ``precision_mode="native"`` casts to them, and is their default.
+The one statement of it: ``dlspass.precision_policy.NATIVE_DTYPES``, ``dlspass.formats`` and the
+passes derive theirs from it."""
 
 
 class ConfigError(InputValueError):

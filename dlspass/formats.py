@@ -42,8 +42,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from dlspass.errors import InputTypeError, InputValueError
+from dlspass.precision_policy import NATIVE_DTYPES
 
 __all__ = [
     "BFLOAT16",
@@ -105,7 +107,8 @@ class Format:
         return 1 - self.bias
 
 
-def _make_format(name: str, exponent_bits: int, mantissa_bits: int, dtype: torch.dtype | None) -> Format:
+def _make_format(name: str, exponent_bits: int, mantissa_bits: int) -> Format:
+    dtype = NATIVE_DTYPES.get(name)  # the formats with a hardware dtype: dlspass.config
     bias = 2 ** (exponent_bits - 1) - 1
     emax = 2**exponent_bits - 2 - bias
     emin = 1 - bias
@@ -122,9 +125,9 @@ def _make_format(name: str, exponent_bits: int, mantissa_bits: int, dtype: torch
     )
 
 
-FLOAT16 = _make_format("float16", 5, 10, torch.float16)
-BFLOAT16 = _make_format("bfloat16", 8, 7, torch.bfloat16)
-CBFLOAT16 = _make_format("cbfloat16", 6, 9, None)
+FLOAT16 = _make_format("float16", 5, 10)
+BFLOAT16 = _make_format("bfloat16", 8, 7)
+CBFLOAT16 = _make_format("cbfloat16", 6, 9)
 FORMATS: dict[str, Format] = {f.name: f for f in (FLOAT16, BFLOAT16, CBFLOAT16)}
 _ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "cb16": "cbfloat16"}
 
@@ -278,8 +281,6 @@ _compile_failed = False
 
 
 def _compile_allowed(x: torch.Tensor) -> bool:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return (
         not _compile_failed
         and x.numel() >= COMPILE_MIN_NUMEL

@@ -25,9 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dlspass.config import NATIVE_FORMATS
+
 aten = torch.ops.aten
 
-NATIVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+NATIVE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in NATIVE_FORMATS}
+"""The torch dtype of each format with one (``dlspass.config.NATIVE_FORMATS``)."""
 
 
 def _ops(*names: str) -> frozenset:

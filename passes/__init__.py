@@ -36,7 +36,7 @@ import torch.fx as fx
 from dlspass.config import DLSConfig, PrecisionMode
 from dlspass.errors import GraphContractError
 from dlspass.graph import roles
-from dlspass.graph.invariants import check
+from dlspass.graph.invariants import check, verify
 from dlspass.graph.roles import APPLIED_KEY as APPLIED_KEY
 from dlspass.graph.roles import CONFIG_KEY, MODE_KEY
 from dlspass.graph.roles import recorded_config as recorded_config
@@ -117,8 +117,6 @@ def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
     Example:
         >>> gm = apply_dls(gm, DLSConfig(loss_scale="dynamic"))  # doctest: +SKIP
     """
-    from dlspass.graph.invariants import verify
-
     if precision_mode is not None:
         # checked by the config, as every entry point's precision mode is
         resolved = (config or DLSConfig()).with_overrides(precision_mode=precision_mode)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import Tensor
+from torch.distributed import _functional_collectives as funcol
 
 from dlspass.errors import InputRuntimeError, InternalValueError
 from dlspass.graph import roles
@@ -37,8 +38,6 @@ class AllReduceFlagPass(GraphPass):
             raise InternalValueError(f"{self.name}: the flag is already all-reduced")
 
     def run(self, gm: fx.GraphModule) -> GraphPassResult:
-        from torch.distributed import _functional_collectives as funcol
-
         group = self.group if self.group is not None else dist.group.WORLD
         graph = gm.graph
         flag = global_node(graph, roles.ISFINITE)

@@ -8,6 +8,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import Tensor
 from torch._guards import detect_fake_mode
+from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dlspass.graph.splice import graft
@@ -32,8 +33,6 @@ class DecomposeForInductorPass(GraphPass):
         self.table = table
 
     def run(self, gm: fx.GraphModule) -> GraphPassResult:
-        from torch._inductor.decomposition import select_decomp_table
-
         table = self.table if self.table is not None else select_decomp_table()
         count = DecomposeRoundingPass("cast", table)(gm).stats["replaced"]
         graph = gm.graph

@@ -13,7 +13,7 @@ from dlspass.files.file_meta import META_FILE
 from dlspass.files.quiet import quiet_torch
 from dlspass.graph import roles
 from dlspass.graph.onnx_opset import default_opset
-from dlspass.scale_policy import STATE_FIELDS, init_state
+from dlspass.scale_policy import STATE_FIELDS, ScalerState, dls_tail, init_state, update_state
 
 TAIL_PREFIX = "dlspass_tail/"
 SCALED_SEED = "dlspass_scaled_seed"
@@ -32,8 +32,6 @@ class _DLSTail(torch.nn.Module):
         self.config = config
 
     def forward(self, grads: list[torch.Tensor], state: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        from dlspass.scale_policy import ScalerState, dls_tail, update_state
-
         st = ScalerState(*state)
         out, isfinite, _norm = dls_tail(grads, st.loss_scale, self.config)
         new = update_state(st, isfinite, self.config) if self.config.dynamic else st

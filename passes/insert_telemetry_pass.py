@@ -17,11 +17,11 @@ from dlspass.formats import is_round_node, round_node_args
 from dlspass.graph import roles
 from dlspass.graph.splice import insert_op, splice
 from dlspass.passes.base import AFTER_DLS, GraphPass, GraphPassResult, PassContractError
-from dlspass.precision_policy import VALUE_PRESERVING_OPS, PrecisionPolicy
+from dlspass.precision_policy import NATIVE_DTYPES, VALUE_PRESERVING_OPS, PrecisionPolicy
 
 BUFFER_TARGET = "dlspass_telemetry"  # the input (role INPUT) the counts are written into
 NAMES_KEY = "dlspass_telemetry_names"  # on the buffer placeholder: the JSON list of its rows
-_HALF = (torch.float16, torch.bfloat16)
+_HALF = tuple(NATIVE_DTYPES.values())
 _CET = torch.ops.prims.convert_element_type.default
 _COPY = torch.ops.aten.copy.default
 

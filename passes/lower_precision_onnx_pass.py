@@ -12,6 +12,7 @@ import torch
 from dlspass.errors import GraphContractError, InputValueError
 from dlspass.files.file_meta import META_FILE
 from dlspass.files.quiet import quiet_torch
+from dlspass.formats import round_arith
 from dlspass.graph import roles
 from dlspass.graph.onnx_opset import default_opset
 
@@ -236,8 +237,6 @@ class _RoundTemplate:
     @classmethod
     def _arith(cls, opset: int) -> ir.Model:
         if opset not in cls._ARITH:
-            from dlspass.formats import round_arith
-
             class Round(torch.nn.Module):
                 def forward(self, x: torch.Tensor) -> torch.Tensor:
                     return round_arith(x, "cbfloat16")

@@ -23,7 +23,7 @@ from dlspass.precision_policy import (
 )
 
 _CET = torch.ops.prims.convert_element_type.default
-_HALF = (torch.float16, torch.bfloat16)
+_HALF = tuple(NATIVE_DTYPES.values())
 
 _ROUND = torch.ops.dlspass.round_to_format.default
 

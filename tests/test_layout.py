@@ -245,3 +245,37 @@ def test_no_module_is_larger_than_the_limit() -> None:
     sizes = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
     assert max(sizes.values()) > 300  # the sizes were read
     assert {m: n for m, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
+# Where a function-level import of dlspass's own modules may stay: start-up time (the CLI, the
+# lazy facade). Every other module imports at the top: no cycle needs a late import (the
+# checks above see function-level imports too). The modules listed in PENDING_HOIST are being
+# edited in another branch; their late imports go when that work lands.
+LAZY_IMPORTS_ALLOWED = ("dlspass.cli", "dlspass")
+PENDING_HOIST = ("dlspass.files", "dlspass.debug", "dlspass.checkpoint", "dlspass.modelzoo",
+                 "dlspass.modelzoo_releases", "dlspass.presets", "dlspass.scale_policy")
+
+
+def _late_internal_imports(module: str, path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_only(tree)
+    late = []
+    for node in ast.walk(tree):
+        if node in skip or not isinstance(node, ast.Import | ast.ImportFrom) or node.col_offset == 0:
+            continue
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or "."]
+        if node.__class__ is ast.ImportFrom and node.level or any(
+                n == "dlspass" or n.startswith(("dlspass.", "passes")) for n in names):
+            late.append(f"{module}:{node.lineno}")
+    return late
+
+
+def test_internal_imports_are_at_the_top_except_where_start_up_needs_laziness() -> None:
+    def exempt(module: str) -> bool:
+        return (module in LAZY_IMPORTS_ALLOWED or module.startswith("dlspass.cli.")
+                or module.startswith(PENDING_HOIST))
+
+    late = [site for m, p in sorted(MODULES.items()) if not exempt(m) for site in _late_internal_imports(m, p)]
+    assert late == []
+    # the check sees a late import where there is one (the CLI keeps them for start-up time)
+    assert any(_late_internal_imports(m, p) for m, p in MODULES.items() if m.startswith("dlspass.cli"))

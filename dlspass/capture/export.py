@@ -21,6 +21,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._decomp import core_aten_decompositions
+from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
+from torch.export.exported_program import _decompose_exported_program
+from torch.export.graph_signature import InputKind
 
 from dlspass.errors import InputValueError
 from dlspass.files.paths import cwd_searched_last
@@ -121,8 +125,6 @@ def merge_tied_parameters(ep: torch.export.ExportedProgram
     The dropped names vanish from the program, so the caller records the returned mapping in
     the file's metadata: it is the only place that says ``lm_head.weight`` is ``wte.weight``.
     """
-    from torch.export.graph_signature import InputKind
-
     sig = ep.graph_signature
     groups: dict[tuple, list[Any]] = {}
     for spec in sig.input_specs:
@@ -177,10 +179,6 @@ def _attention_in_math_ops(query: Tensor, key: Tensor, value: Tensor, attn_mask:
 def _export_forward_backward(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """``torch.export.experimental._export_forward_backward(ep, 0)`` with attention decomposed
     by ``_attention_in_math_ops``."""
-    from torch._decomp import core_aten_decompositions
-    from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
-    from torch.export.exported_program import _decompose_exported_program
-
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     if any(n.target is sdpa for n in ep.graph.nodes):
         # first attention alone, so that autograd below sees only math ops

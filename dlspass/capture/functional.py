@@ -14,10 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch._decomp import get_decompositions
+from torch._dynamo.exc import Unsupported, UserError
+from torch._inductor import config as inductor_config
+from torch._inductor.compile_fx import compile_fx
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -27,6 +31,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dlspass.capture import step_pipeline
+from dlspass.capture.cache_facts import inductor_key_config
+from dlspass.capture.optim import functionalize
 from dlspass.capture.runner import StepRunner
 from dlspass.capture.step_config import resolve_config
 from dlspass.capture.step_pipeline import (
@@ -38,7 +44,9 @@ from dlspass.capture.step_pipeline import (
 from dlspass.capture.step_plan import StepPlan
 from dlspass.capture.telemetry import step_telemetry
 from dlspass.config import DLSConfig, FP16Type, PrecisionMode
+from dlspass.distributed import DistributedSetupError
 from dlspass.errors import DLSPassError
+from dlspass.formats import INDUCTOR_CONFIG
 from dlspass.graph import roles
 from dlspass.graph.clone import clone_step_graph
 from dlspass.graph.marks import resolve_marks
@@ -47,6 +55,7 @@ from dlspass.passes.base import PassContractError
 from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 from dlspass.passes.drop_copy_back_pass import DropCopyBackPass
 from dlspass.scale_policy import STATE_FIELDS, ScalerState, init_state
+from dlspass.scaler import GradScaler
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 """``loss_fn(model, batch) -> loss``: what a captured step differentiates."""
@@ -62,8 +71,6 @@ CaptureError = StepCaptureError
 
 def _tracing_errors() -> tuple[type[BaseException], ...]:
     """What torch raises when it cannot trace a step that runs eagerly: the step's fault."""
-    from torch._dynamo.exc import Unsupported, UserError  # dynamo loads on first capture only
-
     return (Unsupported, UserError, torch.fx.proxy.TraceError, GuardOnDataDependentSymNode,
             DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
@@ -140,8 +147,6 @@ def trace_step(model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimiz
 def _trace(model: nn.Module, loss_fn: LossFn,
            optimizer: torch.optim.Optimizer, example_batch: Any, config: DLSConfig | None,
            unused: frozenset[str]) -> tuple[fx.GraphModule, StepLayout, Any]:
-    from dlspass.capture.optim import functionalize
-
     _check_params(model)
     names = param_targets(optimizer, model)
     fopt = functionalize(optimizer, names)
@@ -364,12 +369,6 @@ def _feeding(runner: Callable[..., Any], providers: list[Callable[[], Tensor]]) 
 
 
 def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx
-
-    from dlspass.capture.cache_facts import inductor_key_config
-    from dlspass.formats import INDUCTOR_CONFIG
-
     gm = clone_step_graph(gm)  # the rewritten graph stays inspectable, with its rounding op
     DecomposeRoundingPass(form="cast")(gm)
     # the CPU facts in the cache key (dlspass.capture.cache_facts)
@@ -378,8 +377,6 @@ def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
 
 
 def _make_scaler(config: DLSConfig | None, summary_writer: Any = None) -> Any:
-    from dlspass.scaler import GradScaler
-
     return GradScaler(config=config or DLSConfig(loss_scale=None, mixed_precision=False),
                       summary_writer=summary_writer)
 
@@ -453,10 +450,6 @@ def capture_step(
 def capture_step_distributed(*args: Any, process_group: Any = None, **kwargs: Any) -> CapturedStep:
     """`capture_step` for data parallelism: one graph = step + gradient all-reduce over
     ``process_group`` (default: the world), with `capture_step`'s arguments."""
-    import torch.distributed as dist
-
-    from dlspass.distributed import DistributedSetupError
-
     if not (dist.is_available() and dist.is_initialized()):
         raise DistributedSetupError("capture_step_distributed: torch.distributed is not initialised")
     group = process_group if process_group is not None else dist.group.WORLD
@@ -466,10 +459,6 @@ def capture_step_distributed(*args: Any, process_group: Any = None, **kwargs: An
 def _join_group(model: nn.Module, group: Any, broadcast_params: bool) -> None:
     """Check ``torch.distributed`` is up and, with ``broadcast_params``, copy the parameters and
     buffers of the group's first rank to every rank (as DDP does at construction)."""
-    import torch.distributed as dist
-
-    from dlspass.distributed import DistributedSetupError
-
     if not (dist.is_available() and dist.is_initialized()):
         raise DistributedSetupError("capture_step: process_group was given but torch.distributed "
                                     "is not initialised")

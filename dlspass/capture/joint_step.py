@@ -33,22 +33,35 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch.export.graph_signature import (
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten
 
+from dlspass.capture import step_pipeline
 from dlspass.capture.export import joint_with_ties
-from dlspass.capture.optim import OptimizerSpec
+from dlspass.capture.optim import OptimizerSpec, functionalize
 from dlspass.capture.program import make_program
 from dlspass.config import DLSConfig, PrecisionMode
 from dlspass.errors import InputValueError
 from dlspass.files.file_meta import FORMAT_VERSION
 from dlspass.files.quiet import quiet_torch
 from dlspass.graph import roles
+from dlspass.graph.marks import mark, resolve_marks
 from dlspass.graph.step_io import StepIO, mark_grads, safe_name, tag_step_io
 from dlspass.passes.base import PassContractError
 from dlspass.passes.clone_shared_outputs_pass import CloneSharedOutputsPass
+from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 from dlspass.passes.drop_none_getitems_pass import DropNoneGetitemsPass
 from dlspass.passes.drop_unchanged_outputs_pass import DropUnchangedOutputsPass
 from dlspass.passes.lift_constants_pass import LiftConstantsPass
 from dlspass.passes.mark_seed_pass import MarkSeedPass, joint_seeds
+from dlspass.scale_policy import STATE_FIELDS, init_state
 
 ROUNDINGS = ("aten", "op")
 """How a step writes emulated rounding (``transform_program``'s ``rounding``)."""
@@ -73,8 +86,6 @@ def joint_graph(ep: torch.export.ExportedProgram, source: str) -> JointGraph:
     """A copy of the joint program ``ep``'s graph module with its backward seed marked, and the
     kind of each input and output; ``InputValueError`` (naming ``source``) when ``ep`` is not a
     joint training program dlspass can take."""
-    from torch.export.graph_signature import InputKind, OutputKind
-
     sig = ep.graph_signature
     bw = getattr(sig, "backward_signature", None)
     if bw is None or not bw.gradients_to_parameters:
@@ -144,12 +155,6 @@ def _placeholder_name(role: str, target: str) -> str:
 def joint_to_step_graph(ep: torch.export.ExportedProgram, optimizer: OptimizerSpec,
                         config: DLSConfig | None, source: str) -> tuple[fx.GraphModule, StepInfo]:
     """The role-tagged (not yet rewritten) training step of the joint program ``ep``."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from dlspass.capture.optim import functionalize
-    from dlspass.graph.marks import mark, resolve_marks
-    from dlspass.scale_policy import STATE_FIELDS, init_state
-
     j = joint_graph(ep, source)
     sd = ep.state_dict
     consts = ep.constants
@@ -222,15 +227,6 @@ def package_step(gm: fx.GraphModule, info: StepInfo) -> tuple[torch.export.Expor
     value returned at two positions gets a clone, because the signature names outputs by node.
     Returns the program and the ``dlspass.json`` fields that describe its roles.
     """
-    from torch.export.graph_signature import (
-        InputKind,
-        InputSpec,
-        OutputKind,
-        OutputSpec,
-        TensorArgument,
-    )
-    from torch.utils._pytree import tree_flatten
-
     gm = copy.deepcopy(gm)
     graph = gm.graph
     try:
@@ -303,8 +299,6 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
     that mode written out, so a file says what ran whatever a later default is. A config
     recorded while emulate was the default wrote it out too: an older file reads as emulated.
     """
-    from dlspass.capture import step_pipeline
-
     if rounding not in ROUNDINGS:
         raise InputValueError(f"rounding: expected one of {', '.join(ROUNDINGS)}, got {rounding!r}")
     if config is not None and precision_mode is not None and config.precision_mode != precision_mode:
@@ -334,8 +328,6 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
     # graph tagged by joint_to_step_graph; no collectives in a single-file step
     gm, _ = step_pipeline.run_step_pipeline(gm, config)
     if rounding == "aten":
-        from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
-
         DecomposeRoundingPass("bits")(gm)
     out, roles_meta = package_step(gm, info)
     full = {"format": "dlspass-step", "version": FORMAT_VERSION, "kind": "step", **wanted,

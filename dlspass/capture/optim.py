@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import _get_scalar_dtype
 
 from dlspass.errors import InputKeyError, InputTypeError, InputValueError
 from dlspass.files.bounded_text import excerpt
@@ -416,8 +417,6 @@ def _initialized(kind: str, vals: dict[str, Tensor]) -> bool:
 
 
 def _scalar_dtype(fused: bool) -> torch.dtype:
-    from torch.optim.optimizer import _get_scalar_dtype
-
     return _get_scalar_dtype(is_fused=fused)
 
 

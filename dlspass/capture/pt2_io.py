@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format for deserialisation
 from dlspass.errors import InputValueError
 from dlspass.files.atomic_write import write_atomic
 from dlspass.files.bounded_text import excerpt
@@ -35,8 +36,6 @@ def load_program(path: str | Path) -> tuple[torch.export.ExportedProgram, dict[s
     # refuses what torch would unpickle, evaluate or inflate without bound; torch then reads
     # these very bytes, not the file again
     data = read_checked_pt2(p)
-    import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format for deserialisation
-
     extra = {META_FILE: ""}
     try:
         with quiet_torch():

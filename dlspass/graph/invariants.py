@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from dlspass.errors import DLSInternalError, GraphContractError
 from dlspass.graph import roles
+from dlspass.precision_policy import NATIVE_DTYPES
 
 
 class VerificationError(DLSInternalError):
@@ -115,7 +116,7 @@ def _check_float32(graph: fx.Graph) -> None:
         seen = (node,) if roles.role_of(node) == roles.GRAD else (*node.all_input_nodes, node)
         for x in seen:
             v = x.meta.get("val")
-            if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16):
+            if isinstance(v, torch.Tensor) and v.dtype in NATIVE_DTYPES.values():
                 raise VerificationError(f"{roles.role_of(node)} node {node.name!r} reads or writes "
                                         f"{x.name!r} in {v.dtype}: DLS math must run in float32")
 

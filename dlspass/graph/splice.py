@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from dlspass.errors import InternalRuntimeError
 from dlspass.graph import roles
@@ -253,6 +254,4 @@ def set_fake_val(node: fx.Node) -> None:
         node.meta["val"] = node.target(*fargs, **fkwargs)
     v = node.meta["val"]
     if isinstance(v, torch.Tensor):
-        from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
         node.meta["tensor_meta"] = _extract_tensor_metadata(v)

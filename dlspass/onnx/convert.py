@@ -41,6 +41,8 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 import torch
+from torch.export.graph_signature import InputKind, InputSpec, OutputKind, TensorArgument
+from torch.utils._pytree import tree_flatten
 
 from dlspass.capture.joint_step import joint_graph
 from dlspass.capture.program import flat_tuple_spec, make_program, user_outputs
@@ -57,6 +59,7 @@ from dlspass.onnx.files import (
     load_onnx,
     onnx_meta,
 )
+from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 from dlspass.passes.expand_bool_where_pass import ExpandBoolWherePass
 from dlspass.passes.expose_seed_pass import ExposeSeedPass
 from dlspass.passes.insert_dls_onnx_pass import InsertDLSOnnxPass
@@ -65,8 +68,6 @@ from dlspass.passes.lower_precision_onnx_pass import LowerPrecisionOnnxPass
 
 def _relabelled(step: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """A copy of ``step`` whose outputs are all USER_OUTPUT with a flat-tuple out_spec."""
-    from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
-
     gm = copy.deepcopy(step.graph_module)
     constants = sum(n.op == "get_attr" for n in gm.graph.nodes)
     DecomposeRoundingPass("arith")(gm)
@@ -95,8 +96,6 @@ def _promote_initializers(graph: Any) -> list[str]:
 
 def step_to_onnx(step: torch.export.ExportedProgram, meta: dict[str, Any]) -> Any:
     """The dlspass step as an ``onnx_ir.Model`` with state as inputs and ``.new`` outputs."""
-    from torch.export.graph_signature import OutputKind
-
     kinds = [(s.kind, s.target) for s in step.graph_signature.output_specs]
     prog = _relabelled(step)
     example = _example_inputs(step)
@@ -123,8 +122,6 @@ def step_to_onnx(step: torch.export.ExportedProgram, meta: dict[str, Any]) -> An
 
 def _example_inputs(step: torch.export.ExportedProgram) -> tuple[torch.Tensor, ...]:
     """Zero tensors shaped like the step's user inputs (the exporter only needs their specs)."""
-    from torch.export.graph_signature import InputKind
-
     names = {s.arg.name for s in step.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
     out = []
     for node in step.graph.find_nodes(op="placeholder"):
@@ -154,9 +151,6 @@ def joint_to_onnx(joint: torch.export.ExportedProgram, *, tied: dict[str, str] |
     ``tied`` (``{dropped_name: kept_name}`` from ``merge_tied_parameters``) goes to the metadata
     as ``"tied"``; None (not known: the joint's metadata does not say) leaves the key out.
     """
-    from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
-    from torch.utils._pytree import tree_flatten
-
     j = joint_graph(joint, "joint program")
     gm = j.gm
     ExposeSeedPass(SEED_INPUT)(gm)
