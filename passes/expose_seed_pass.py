@@ -6,6 +6,7 @@ import torch.fx as fx
 
 from dlspass.graph import roles
 from dlspass.graph.marks import MARK_OP
+from dlspass.graph.splice import add_input
 from dlspass.passes.base import GraphPass, GraphPassResult, PassContractError
 
 
@@ -29,10 +30,7 @@ class ExposeSeedPass(GraphPass):
             raise PassContractError(f"{self.name}: {len(marks)} marked backward seeds (expected one)")
         mark = marks[0]
         seed = mark.args[0]
-        # a new graph input: splice inserts computed nodes only
-        with graph.inserting_after(placeholders[-1]):
-            ph = graph.placeholder(self.input_name)
-        ph.meta["val"] = seed.meta["val"]
+        ph = add_input(graph, self.input_name, seed.meta["val"])
         mark.replace_all_uses_with(ph)
         graph.erase_node(mark)
         graph.erase_node(seed)

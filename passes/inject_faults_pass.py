@@ -12,7 +12,7 @@ from torch._guards import detect_fake_mode
 from dlspass.errors import InputValueError
 from dlspass.graph import roles
 from dlspass.graph.roles import FAULT, FAULT_STEP, PRE_FAULT_GRAD
-from dlspass.graph.splice import insert_op
+from dlspass.graph.splice import add_input, insert_op
 from dlspass.passes.base import GraphPass, GraphPassResult
 
 
@@ -93,18 +93,11 @@ class InjectFaultsPass(GraphPass):
         return GraphPassResult(gm, True, {"faulted": len(by_node)})
 
     def _add_counter(self, graph: fx.Graph) -> fx.Node:
-        placeholders = graph.find_nodes(op="placeholder")
-        vals = [n.meta.get("val") for n in placeholders]
-        # a new graph input: splice inserts computed nodes only
-        with graph.inserting_after(placeholders[-1]):
-            counter = graph.placeholder(FAULT_STEP)
-        roles.set_role(counter, roles.INPUT, FAULT_STEP)
+        vals = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
         device = self.counter_device or next(
             (v.device for v in vals if isinstance(v, torch.Tensor)), torch.device("cpu"))
         zero = torch.zeros((), dtype=torch.int64, device=device)
-        fake_mode = detect_fake_mode(vals)
-        counter.meta["val"] = fake_mode.from_tensor(zero) if fake_mode is not None else zero
-        return counter
+        return add_input(graph, FAULT_STEP, zero, role=roles.INPUT, target=FAULT_STEP)
 
 
 def _counter(graph: fx.Graph) -> fx.Node | None:

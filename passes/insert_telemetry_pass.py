@@ -9,13 +9,12 @@ from typing import ClassVar
 import torch
 import torch.fx as fx
 from torch import Tensor
-from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from dlspass.format_ranges import FormatRange, get_range, value_counts
 from dlspass.formats import is_round_node, round_node_args
 from dlspass.graph import roles
-from dlspass.graph.splice import insert_op, splice
+from dlspass.graph.splice import add_input, insert_op, splice
 from dlspass.passes.base import AFTER_DLS, GraphPass, GraphPassResult, PassContractError
 from dlspass.precision_policy import NATIVE_DTYPES, VALUE_PRESERVING_OPS, PrecisionPolicy
 
@@ -103,16 +102,9 @@ def telemetry_names(graph: fx.Graph) -> list[str]:
 
 
 def _add_buffer(graph: fx.Graph, like: Tensor) -> fx.Node:
-    phs = list(graph.find_nodes(op="placeholder"))
-    # a new graph input: splice inserts computed nodes only
-    with graph.inserting_after(phs[-1]):
-        buf = graph.placeholder(BUFFER_TARGET)
-    roles.set_role(buf, roles.INPUT, BUFFER_TARGET)
     with unset_fake_temporarily():  # a compiler hook may run this under a fake mode
         value = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    fake_mode = detect_fake_mode([p.meta.get("val") for p in phs])
-    buf.meta["val"] = fake_mode.from_tensor(value) if fake_mode is not None else value
-    return buf
+    return add_input(graph, BUFFER_TARGET, value, role=roles.INPUT, target=BUFFER_TARGET)
 
 
 def _lowered_outputs(graph: fx.Graph, policy: PrecisionPolicy) -> list[fx.Node]:

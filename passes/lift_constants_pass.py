@@ -7,9 +7,9 @@ from typing import cast
 
 import torch.fx as fx
 from torch import Tensor
-from torch._guards import detect_fake_mode
 
 from dlspass.graph import roles
+from dlspass.graph.splice import add_input
 from dlspass.graph.step_io import safe_name
 from dlspass.passes.base import GraphPass, GraphPassResult, PassContractError
 
@@ -51,14 +51,9 @@ class LiftConstantsPass(GraphPass):
             if not isinstance(value, Tensor):
                 raise PassContractError(f"cannot package get_attr {node.target!r} of type "
                                         f"{type(value).__name__}")
-            # a new graph input: splice inserts computed nodes only
-            with graph.inserting_before(anchor):
-                ph = graph.placeholder(f"c_{safe_name(node.target)}")
+            ph = add_input(graph, f"c_{safe_name(node.target)}", node.meta.get("val", value),
+                           before=anchor)
             ph.meta.update(node.meta)
-            if "val" not in ph.meta:
-                mode = detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")
-                                         if isinstance(n.meta.get("val"), Tensor)])
-                ph.meta["val"] = mode.from_tensor(value) if mode is not None else value
             node.replace_all_uses_with(ph)
             graph.erase_node(node)
             constants[ph.name] = value.detach().clone()

@@ -6,13 +6,12 @@ import dataclasses
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
 from dlspass import scale_policy
 from dlspass.config import ConfigError, DLSConfig
 from dlspass.graph import roles
 from dlspass.graph.roles import GLOBAL
-from dlspass.graph.splice import insert_op, splice
+from dlspass.graph.splice import add_input, insert_op, splice
 from dlspass.passes.base import DLSPass, PassContractError, is_float
 
 # inductor takes the backward's inputs up to the first "tangents" name as saved activations
@@ -49,13 +48,8 @@ class ScaleBackwardPass(DLSPass):
         if not tangents:
             raise ConfigError("dlspass backend: the backward graph has no floating-point tangent to "
                               "scale (the compiled model returns no differentiable output)")
-        # a new graph input: splice inserts computed nodes only
-        with graph.inserting_after(placeholders[-1]):
-            scale = graph.placeholder(SCALE_INPUT)
-        mode = detect_fake_mode([t.meta["val"] for t in tangents])
-        scalar = torch.empty((), dtype=torch.float32)
-        scale.meta["val"] = mode.from_tensor(scalar) if mode is not None else scalar
-        roles.set_role(scale, roles.SCALER_STATE, "loss_scale")
+        scale = add_input(graph, SCALE_INPUT, torch.empty((), dtype=torch.float32),
+                          role=roles.SCALER_STATE, target="loss_scale")
 
         first = next(n for n in graph.nodes if n.op != "placeholder")
         for tangent in tangents:

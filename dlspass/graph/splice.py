@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
@@ -255,3 +256,26 @@ def set_fake_val(node: fx.Node) -> None:
     v = node.meta["val"]
     if isinstance(v, torch.Tensor):
         node.meta["tensor_meta"] = _extract_tensor_metadata(v)
+
+
+def add_input(graph: fx.Graph, name: str, value: torch.Tensor, *, role: str | None = None,
+              target: str | None = None, before: fx.Node | None = None) -> fx.Node:
+    """A new graph input (placeholder) named ``name``, after the last one (or ``before``).
+
+    ``splice`` and ``insert_op`` make computed nodes only; a pass that needs a new input (a
+    buffer the step feeds, the loss scale, a lifted constant) makes it here. Its ``val`` is
+    ``value`` in the fake mode of the graph's inputs (``value`` itself when it is already a
+    fake tensor, or when the graph has no fake values), so rule 1 of the contract (every node
+    has a fake value) holds for it; with ``role`` it gets that role and ``target``.
+    """
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    anchor = graph.inserting_before(before) if before is not None else graph.inserting_after(placeholders[-1])
+    with anchor:
+        node = graph.placeholder(name)
+    if not isinstance(value, FakeTensor):
+        mode = detect_fake_mode([p.meta.get("val") for p in placeholders])
+        value = mode.from_tensor(value) if mode is not None else value
+    node.meta["val"] = value
+    if role is not None:
+        roles.set_role(node, role, target)
+    return node
