@@ -13,7 +13,7 @@ loss-scaling invariants at the end. The rules:
    ``meta["val"]`` (a fake tensor; symbolic shapes allowed). A pass computes them for what it
    adds: new nodes come through `splice` (trace a Python function, e.g. ``scale_policy``'s, on
    the fake values and graft it in), `insert_op` (one op) or `graft` (a traced graph), never
-   through raw ``graph.call_function``. They also record the pass (``roles.PASS_KEY``) and take
+   through raw ``graph.call_function``; a new graph input through `add_input`. They also record the pass (``roles.PASS_KEY``) and take
    the provenance (``stack_trace``, ``nn_module_stack``) of the node they stand for.
 2. **Roles.** What a node is lives in ``meta["custom"]`` (the one meta dict ``torch.export``
    keeps): ``roles.ROLE_KEY``, ``roles.TARGET_KEY`` (the parameter or state entry), set with
@@ -55,13 +55,13 @@ from dlspass.graph import roles, splice
 from dlspass.graph.clone import clone_step_graph
 from dlspass.graph.invariants import VerificationError, check, verify
 from dlspass.graph.marks import mark, resolve_marks
-from dlspass.graph.splice import graft, insert_op
+from dlspass.graph.splice import add_input, graft, insert_op
 from dlspass.graph.step_io import StepIO, tag_step_io
 
 # `splice` is the module (``splice.splice`` traces a function in): a function of that name here
 # would shadow the submodule for ``import dlspass.graph.splice``
 __all__ = [
-    "StepIO", "VerificationError", "check", "clone_step_graph", "graft", "insert_op", "mark",
+    "StepIO", "VerificationError", "add_input", "check", "clone_step_graph", "graft", "insert_op", "mark",
     "resolve_marks", "roles",
     "splice", "tag_step_io", "verify",
 ]
