@@ -123,10 +123,6 @@ def _refusal(target: Any) -> str | None:
     return f"call target {printable(str(target))[:80]!r}"
 
 
-class _Refused(Exception):
-    pass
-
-
 def check_runnable(gm: fx.GraphModule, values: list[Any], source: str) -> None:
     """Refuse (``AnalyzeError``) a graph ``analyze`` must not run on ``values``: an operator that
     does more than compute tensors, or a value (or all values together) above the bounds derived
@@ -162,13 +158,13 @@ def check_runnable(gm: fx.GraphModule, values: list[Any], source: str) -> None:
                             f"{source}: node {printable(n.name)[:80]!r} would allocate "
                             f"{size:,} elements, more than analyze allows for inputs of "
                             f"{inputs:,} ({per_value:,})")
-                        raise _Refused
+                        raise AnalyzeError(refused[-1])
                     total += size
             if total > budget:
                 refused.append(f"{source}: the values of the program would take more than "
                                    f"{budget:,} elements, more than analyze allows for inputs of "
                                    f"{inputs:,}")
-                raise _Refused
+                raise AnalyzeError(refused[-1])
             return result
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dlspass.errors import DLSInputError
+from dlspass.errors import InputValueError
 from dlspass.files.bounded_text import printable
 from dlspass.format_ranges import RANGES, FormatRange, get_range
 
@@ -70,7 +70,7 @@ SCHEMA_VERSION = 1
 DEFAULT_THRESHOLD = 0.005
 
 
-class AnalyzeError(DLSInputError, ValueError):
+class AnalyzeError(InputValueError):
     """Bad input to ``dlspass.analyze`` (no gradient, a bad threshold, an unknown format)."""
 
 

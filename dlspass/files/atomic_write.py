@@ -20,7 +20,6 @@ folder and ``os.replace``s it onto ``path``. What it also guarantees:
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import signal
 import stat
@@ -29,6 +28,8 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from dlspass.errors import InputRuntimeError
 
 _PENDING: set[str] = set()
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -52,8 +53,8 @@ def write_atomic(path: str | Path, write: Callable[[str], object], *, fsync: boo
             write(tmp)
             now = os.lstat(tmp)
             if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (made.st_dev, made.st_ino):
-                raise FileExistsError(errno.EEXIST, "the temporary file was replaced while "
-                                      "being written; not moved onto the target", tmp)
+                raise InputRuntimeError(f"{tmp}: the temporary file was replaced while being "
+                                        "written; not moved onto the target")
             if fsync:
                 _fsync(tmp, os.O_RDONLY)
             os.chmod(tmp, mode)

@@ -15,6 +15,8 @@ import pytest
 import torch
 from hostile_files import SENTINEL, edit_json, members, rewrite, run_cli, run_cli_batch
 
+from dlspass.errors import InputRuntimeError
+
 _MODEL = """
 import torch
 
@@ -418,7 +420,7 @@ def test_atomic_write_refuses_a_temporary_file_swapped_for_a_link(tmp_path: Path
         os.symlink(victim, tmp)
         Path(tmp).write_text("evil")  # a writer that reopens the name follows the link
 
-    with pytest.raises(FileExistsError):
+    with pytest.raises(InputRuntimeError, match="replaced while being written"):
         write_atomic(tmp_path / "out.txt", swap_then_write)
     assert not (tmp_path / "out.txt").exists()  # the link never becomes the output
 
