@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
@@ -382,6 +383,23 @@ class DLSConfig:
             ('deepspeed', 65536.0, 2)
         """
         return _from_modelzoo(lambda: deepspeed_config.settings_from_deepspeed(path_or_dict, release))
+
+
+def deprecated_precision_mode(config: DLSConfig | None, precision_mode: PrecisionMode | None,
+                              where: str) -> DLSConfig | None:
+    """``config`` with a ``precision_mode=`` keyword of ``where`` merged in (``with_overrides``,
+    so a bad mode is the config's `ConfigError`), warning that the keyword is deprecated.
+
+    The mode is the config's (`DLSConfig.lowering_mode`): ``apply_dls`` and
+    ``transform_program`` take it from there, and keep the keyword for code written against the
+    release that had it. Without a config nothing is lowered, so the mode is only checked.
+    """
+    if precision_mode is None:
+        return config
+    warnings.warn(f"{where}(precision_mode=...) is deprecated: pass "
+                  f"config=DLSConfig(precision_mode={precision_mode!r})", DeprecationWarning, stacklevel=3)
+    merged = (config or DLSConfig()).with_overrides(precision_mode=precision_mode)
+    return merged if config is not None else None
 
 
 def _field_names() -> frozenset[str]:

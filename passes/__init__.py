@@ -30,15 +30,16 @@ file's one-line docstring states its rewrite; README "Layout" groups them): capt
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import torch.fx as fx
 
-from dlspass.config import DLSConfig, PrecisionMode
+from dlspass.config import DLSConfig, PrecisionMode, deprecated_precision_mode
 from dlspass.errors import GraphContractError
 from dlspass.graph import roles
 from dlspass.graph.invariants import check, verify
 from dlspass.graph.roles import APPLIED_KEY as APPLIED_KEY
-from dlspass.graph.roles import CONFIG_KEY, MODE_KEY
+from dlspass.graph.roles import CONFIG_KEY
 from dlspass.graph.roles import recorded_config as recorded_config
 from dlspass.passes.base import DLSPass, GraphPass, GraphPassResult, PassContractError
 from dlspass.passes.base import applied_passes as applied_passes
@@ -83,8 +84,9 @@ def check_graph(gm: fx.GraphModule) -> None:
         raise PassContractError(str(e)) from None
 
 
-def _config_json(config: DLSConfig | None) -> str:
-    return json.dumps(None if config is None else config.to_dict(), sort_keys=True)
+def _mode_of(record: dict[str, Any] | None) -> str | None:
+    """The precision mode a config record names (None: no config, nothing lowered)."""
+    return None if record is None else record.get("precision_mode")
 
 
 def run_passes(gm: fx.GraphModule, passes: list[GraphPass]) -> fx.GraphModule:
@@ -110,27 +112,25 @@ def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
     and unscaling but no check, guard or state update. Each pass that leaves the graph alone
     records why (``skip_reasons``). Applying it again with the same config leaves the graph
     unchanged; a graph rewritten with a different config is a ``PassContractError``, as is a
-    graph without the step roles. The precision mode is ``config.lowering_mode``;
-    ``precision_mode=`` overrides it (``config.with_overrides``, so a bad one is the config's
-    ``ConfigError``) and is kept for one release: put it in the config instead.
+    graph without the step roles. The precision mode is ``config.lowering_mode``, recorded
+    with the config (`roles.config_record`). ``precision_mode=`` is deprecated: pass
+    ``config=DLSConfig(precision_mode=...)`` (it is merged into ``config`` with a
+    ``DeprecationWarning``).
 
     Example:
         >>> gm = apply_dls(gm, DLSConfig(loss_scale="dynamic"))  # doctest: +SKIP
     """
-    if precision_mode is not None:
-        # checked by the config, as every entry point's precision mode is
-        resolved = (config or DLSConfig()).with_overrides(precision_mode=precision_mode)
-        config = resolved if config is not None else None
-    mode = config.lowering_mode if config is not None else (precision_mode or "emulate")
-    want = _config_json(config)
-    have = roles.recorded(gm.graph, CONFIG_KEY)
-    if have is not None:
-        have_mode = roles.recorded(gm.graph, MODE_KEY)
-        if have != want or have_mode != mode:
+    config = deprecated_precision_mode(config, precision_mode, "apply_dls")
+    want_data = roles.config_record(config)
+    want = json.dumps(want_data, sort_keys=True)
+    if roles.recorded(gm.graph, CONFIG_KEY) is not None:
+        have_data = roles.recorded_config_data(gm.graph)
+        have = json.dumps(have_data, sort_keys=True)
+        if have != want:
             raise PassContractError(
-                f"this graph was already rewritten with config {have} (precision {have_mode}); "
-                f"refusing to apply {want} (precision {mode}): rewrite the captured "
-                "graph instead")
+                f"this graph was already rewritten with config {have} (precision "
+                f"{_mode_of(have_data)}); refusing to apply {want} (precision "
+                f"{_mode_of(want_data)}): rewrite the captured graph instead")
         return gm
     passes = default_passes(config)
     if passes:
@@ -138,7 +138,6 @@ def apply_dls(gm: fx.GraphModule, config: DLSConfig | None, *,
     for node in (gm.graph.output_node(), *roles.nodes_with_role(gm.graph, roles.SEED)):
         custom = node.meta.setdefault("custom", {})
         custom[CONFIG_KEY] = want
-        custom[MODE_KEY] = mode
     gm.recompile()
     verify(gm)
     return gm

@@ -207,6 +207,61 @@ def test_a_step_file_records_the_mode_that_ran_and_an_older_emulated_file_stays_
         transform_program(ep, old, DLSConfig(), opt)  # float16's default is native now
 
 
+def test_a_step_file_with_the_old_mode_key_reads_as_one_written_now(tmp_path) -> None:
+    """A step file written before the recorded config carried the mode (the graph's config
+    record with ``precision_mode`` null and the mode under ``roles.MODE_KEY``; the file's config
+    without the field) reads back with the mode it ran with, as the file written now does."""
+    import json
+
+    from dlspass.capture.joint_step import step_graph, transform_program
+    from dlspass.capture.optim import OptimizerSpec
+    from dlspass.capture.pt2_io import load_program, save_program
+    from dlspass.graph import roles
+    from dlspass.graph.invariants import verify
+
+    new_file = tmp_path / "new.pt2"
+    assert cf.cli("transform", cf.joint_file("mlp"), "-o", new_file, "--precision-mode", "emulate") == 0
+    ep, meta = load_program(new_file)
+    seeds = roles.nodes_with_role(ep.graph_module.graph, roles.SEED)
+    assert seeds and all(roles.MODE_KEY not in n.meta["custom"] for n in seeds)  # no longer written
+    for node in seeds:  # the record the old way
+        custom = node.meta["custom"]
+        custom[roles.CONFIG_KEY] = json.dumps({**json.loads(custom[roles.CONFIG_KEY]),
+                                               "precision_mode": None}, sort_keys=True)
+        custom[roles.MODE_KEY] = "emulate"
+    old = {**meta, "config": {k: v for k, v in meta["config"].items() if k != "precision_mode"}}
+    save_program(ep, tmp_path / "old.pt2", old)
+
+    old_ep, old_meta = load_program(tmp_path / "old.pt2")
+    new_ep, new_meta = load_program(new_file)
+    assert [n.meta["custom"].get(roles.MODE_KEY) for n in roles.nodes_with_role(
+        old_ep.graph_module.graph, roles.SEED)] == ["emulate"] * len(seeds)
+    old_gm, new_gm = step_graph(old_ep, old_meta), step_graph(new_ep, new_meta)
+    assert roles.recorded_config(old_gm) == roles.recorded_config(new_gm)
+    assert roles.recorded_config(old_gm).lowering_mode == "emulate"
+    # without the file's config the graph's own old record says what ran
+    del old_gm.graph.output_node().meta["custom"][roles.CONFIG_KEY]
+    assert roles.recorded_config(old_gm) == roles.recorded_config(new_gm)
+    assert verify(step_graph(old_ep, old_meta)) is True
+    opt = OptimizerSpec(**{k: tuple(v) if k == "betas" else v for k, v in old_meta["optimizer"].items()})
+    assert transform_program(old_ep, old_meta, DLSConfig(precision_mode="emulate"), opt)[1] is old_meta
+
+
+def test_transform_program_precision_mode_keyword_is_deprecated(tmp_path) -> None:
+    from dlspass.capture.joint_step import transform_program
+    from dlspass.capture.optim import OptimizerSpec
+    from dlspass.capture.pt2_io import load_program
+
+    ep, meta = load_program(cf.joint_file("mlp"))
+    opt = OptimizerSpec(kind="sgd", lr=0.1)
+    with pytest.warns(DeprecationWarning, match=r"transform_program\(precision_mode=\.\.\.\) is "
+                      r"deprecated: pass config=DLSConfig\(precision_mode='emulate'\)"):
+        _, old = transform_program(ep, meta, DLSConfig(), opt, precision_mode="emulate")
+    _, new = transform_program(ep, meta, DLSConfig(precision_mode="emulate"), opt)
+    assert old["precision_mode"] == new["precision_mode"] == "emulate"
+    assert old["config"] == new["config"]
+
+
 def test_onnx_output_is_emulated(tmp_path) -> None:
     from dlspass.onnx.files import load_onnx, onnx_meta
 

@@ -123,8 +123,10 @@ def test_config_value_is_an_input_error() -> None:
 
 
 def test_precision_mode_is_an_input_error() -> None:
+    # the mode is the config's (apply_dls's precision_mode= keyword is deprecated): the
+    # config refuses it, as it refuses every bad value
     with pytest.raises(DLSInputError, match="precision_mode"):
-        apply_dls(mlp_step().gm, DLSConfig(), precision_mode="fast")
+        DLSConfig(precision_mode="fast")
 
 
 def test_missing_checkpoint_is_an_input_error(tmp_path) -> None:

@@ -47,7 +47,7 @@ from dlspass.capture import step_pipeline
 from dlspass.capture.export import joint_with_ties
 from dlspass.capture.optim import OptimizerSpec, functionalize
 from dlspass.capture.program import make_program
-from dlspass.config import DLSConfig, PrecisionMode
+from dlspass.config import DLSConfig, PrecisionMode, deprecated_precision_mode
 from dlspass.errors import InputValueError
 from dlspass.files.file_meta import FORMAT_VERSION
 from dlspass.files.quiet import quiet_torch
@@ -292,8 +292,10 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
     ``"op"`` keeps the ``dlspass::round_to_format`` custom op (loading then needs
     ``import dlspass.formats``). A program that is already a dlspass step is returned unchanged
     when ``config``, optimizer, precision mode and rounding are the ones it was built with, and
-    refused otherwise. ``precision_mode`` overrides the config's (None: the config's
-    `DLSConfig.lowering_mode`; without a config, emulate).
+    refused otherwise. The precision mode is the config's (`DLSConfig.lowering_mode`; without a
+    config nothing is lowered and the file says emulate). ``precision_mode=`` is deprecated: pass
+    ``config=DLSConfig(precision_mode=...)`` (it is merged into ``config`` with a
+    ``DeprecationWarning``).
 
     The metadata records the mode in effect under ``"precision_mode"``, and the config with
     that mode written out, so a file says what ran whatever a later default is. A config
@@ -301,10 +303,9 @@ def transform_program(ep: torch.export.ExportedProgram, meta: dict[str, Any] | N
     """
     if rounding not in ROUNDINGS:
         raise InputValueError(f"rounding: expected one of {', '.join(ROUNDINGS)}, got {rounding!r}")
-    if config is not None and precision_mode is not None and config.precision_mode != precision_mode:
-        config = config.with_overrides(precision_mode=precision_mode)
-    mode = config.lowering_mode if config is not None else (precision_mode or "emulate")
-    wanted = {"config": None if config is None else {**config.to_dict(), "precision_mode": mode},
+    config = deprecated_precision_mode(config, precision_mode, "transform_program")
+    mode = config.lowering_mode if config is not None else "emulate"
+    wanted = {"config": roles.config_record(config),
               "optimizer": optimizer.to_dict(), "precision_mode": mode, "rounding": rounding}
     if meta is not None and meta.get("kind") == "step":
         # a step whose metadata names no rounding calls the custom op
@@ -349,7 +350,10 @@ def step_graph(ep: torch.export.ExportedProgram, meta: dict[str, Any] | None) ->
             roles.set_role(node, *ph_roles[node.name])
     custom = gm.graph.output_node().meta.setdefault("custom", {})
     custom[roles.OUTPUTS_KEY] = [list(r) for r in meta["output_roles"]]
-    custom[roles.CONFIG_KEY] = json.dumps(meta["config"], sort_keys=True)
-    custom[roles.MODE_KEY] = meta.get("precision_mode")
+    config = meta["config"]
+    if isinstance(config, dict) and config.get("precision_mode") is None:
+        # written before the recorded config carried the mode: the file's mode is what ran
+        config = {**config, "precision_mode": meta.get("precision_mode")}
+    custom[roles.CONFIG_KEY] = json.dumps(config, sort_keys=True)
     custom[roles.APPLIED_KEY] = list(meta.get("applied_passes", []))
     return gm

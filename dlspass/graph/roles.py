@@ -99,11 +99,14 @@ UPDATE_OF_SOURCE = {src: upd for upd, src in SOURCE_OF_UPDATE.items()}
 GUARDED_UPDATES = {PARAM_UPDATE: PARAM, OPT_STATE_UPDATE: OPT_STATE}
 
 # metadata keys beside the node roles: on the output node (and the seed, whose meta survives
-# torch.export) ``apply_dls`` records its config, precision mode and applied passes; ONNX
+# torch.export) ``apply_dls`` records its config (with its precision mode written out) and
+# applied passes; ONNX
 # models carry the roles of their values as JSON in ``metadata_props[ONNX_ROLES_KEY]``.
 # They are JSON strings or lists of names, which .pt2 files keep.
 OUTPUTS_KEY = "dlspass_outputs"  # [role, target] per output position, on the output node
 CONFIG_KEY = "dlspass_config"
+# written by dlspass before the recorded config carried the mode; no longer written, still read
+# (`recorded_config`) so a graph or file written then reads as it ran
 MODE_KEY = "dlspass_precision_mode"
 APPLIED_KEY = "dlspass_applied"
 SKIPPED_KEY = "dlspass_skipped"  # {pass name: why it did nothing}
@@ -192,13 +195,30 @@ def config_from_record(data: dict[str, Any]) -> DLSConfig:
     return DLSConfig(**data)
 
 
-def recorded_config(gm: fx.GraphModule | fx.Graph) -> DLSConfig | None:
-    """The config ``apply_dls`` recorded on ``gm`` (None when none, or no config, was given)."""
-    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+def config_record(config: DLSConfig | None) -> dict[str, Any] | None:
+    """``config`` as ``apply_dls`` and step files record it: `DLSConfig.to_dict` with the
+    precision mode in effect written out (`DLSConfig.lowering_mode`), so the record says what
+    ran whatever a later release's default mode is; None for no config."""
+    return None if config is None else {**config.to_dict(), "precision_mode": config.lowering_mode}
+
+
+def recorded_config_data(graph: fx.Graph) -> dict[str, Any] | None:
+    """The JSON object of the config recorded on ``graph`` (None when none, or no config, was
+    recorded). A graph recorded before the config carried its mode (the mode under ``MODE_KEY``,
+    the config's ``precision_mode`` null) reads with that mode written in, as it ran."""
     raw = recorded(graph, CONFIG_KEY)
-    if raw is None:
-        return None
-    data = json.loads(raw)
+    data = None if raw is None else json.loads(raw)
+    if isinstance(data, dict) and data.get("precision_mode") is None:
+        mode = recorded(graph, MODE_KEY)
+        if mode is not None:
+            data = {**data, "precision_mode": mode}
+    return data
+
+
+def recorded_config(gm: fx.GraphModule | fx.Graph) -> DLSConfig | None:
+    """The config ``apply_dls`` recorded on ``gm`` (None when none, or no config, was given),
+    its ``precision_mode`` the mode it ran with."""
+    data = recorded_config_data(gm.graph if isinstance(gm, fx.GraphModule) else gm)
     return None if data is None else config_from_record(data)
 
 

@@ -167,7 +167,7 @@ def test_bad_modes_are_clear_errors_and_pass_is_idempotent() -> None:
 def test_native_pipeline_runs_conv_and_bmm_in_float16_close_to_emulation(make) -> None:
     cfg = DLSConfig()
     native_step, emul_step = make(cfg), make(cfg)
-    native = apply_dls(native_step.gm, cfg, precision_mode="native")
+    native = apply_dls(native_step.gm, cfg.with_overrides(precision_mode="native"))
     lowered = [n for n in native.graph.nodes if n.target in DEFAULT_LOWER_OPS]
     assert lowered
     for n in lowered:

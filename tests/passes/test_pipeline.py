@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import logging
 
 import pytest
@@ -87,15 +89,20 @@ def test_different_config_is_an_error() -> None:
     gm = apply_dls(mlp_step(cfg).gm, cfg)
     with pytest.raises(PassContractError, match="already rewritten with config"):
         apply_dls(gm, DLSConfig(initial_loss_scale=8.0))
-    with pytest.raises(PassContractError, match="precision native"):
-        apply_dls(gm, cfg, precision_mode="native")
+    with pytest.raises(PassContractError, match="precision native.*refusing.*precision emulate"):
+        apply_dls(gm, cfg.with_overrides(precision_mode="emulate"))
+    # float16's default mode spelled out is the config the graph was rewritten with
+    code = gm.code
+    assert apply_dls(gm, cfg.with_overrides(precision_mode="native")).code == code
 
 
 def test_config_is_recorded_as_json_and_round_trips() -> None:
     cfg = DLSConfig(fp16_type="cbfloat16", max_gradient_value=2.0)
     gm = apply_dls(mlp_step(cfg).gm, cfg)
     assert isinstance(gm.graph.output_node().meta["custom"]["dlspass_config"], str)
-    assert recorded_config(gm) == cfg
+    # the record carries the mode that ran (cbfloat16's default, emulate), not a separate key
+    assert recorded_config(gm) == dataclasses.replace(cfg, precision_mode="emulate")
+    assert roles.MODE_KEY not in gm.graph.output_node().meta["custom"]
 
 
 def test_static_scale_scales_and_unscales_but_never_skips() -> None:
@@ -148,8 +155,41 @@ def test_a_contract_error_inside_a_pass_reaches_the_caller_as_itself() -> None:
 
 
 def test_bad_precision_mode_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="precision_mode"):
+    with pytest.raises(ConfigError, match="precision_mode"), \
+            pytest.warns(DeprecationWarning, match=r"config=DLSConfig\(precision_mode="):
         apply_dls(mlp_step().gm, DLSConfig(), precision_mode="fast")
+
+
+def test_precision_mode_keyword_is_deprecated_and_merged_into_the_config() -> None:
+    cfg = DLSConfig()
+    with pytest.warns(DeprecationWarning, match=r"apply_dls\(precision_mode=\.\.\.\) is deprecated: "
+                      r"pass config=DLSConfig\(precision_mode='emulate'\)"):
+        old = apply_dls(mlp_step(cfg).gm, cfg, precision_mode="emulate")
+    new = apply_dls(mlp_step(cfg).gm, cfg.with_overrides(precision_mode="emulate"))
+    assert old.code == new.code
+    assert recorded_config(old) == recorded_config(new) == cfg.with_overrides(precision_mode="emulate")
+
+
+def _as_written_before_the_config_carried_the_mode(gm, mode: str) -> None:
+    """Rewrite ``gm``'s record the way apply_dls wrote it before: the config as given (its
+    ``precision_mode`` null) and the mode under ``roles.MODE_KEY``."""
+    for node in (gm.graph.output_node(), *roles.nodes_with_role(gm.graph, roles.SEED)):
+        custom = node.meta["custom"]
+        data = json.loads(custom[roles.CONFIG_KEY])
+        custom[roles.CONFIG_KEY] = json.dumps({**data, "precision_mode": None}, sort_keys=True)
+        custom[roles.MODE_KEY] = mode
+
+
+def test_a_graph_recorded_with_the_old_mode_key_reads_as_it_ran() -> None:
+    # float16 with no mode given is native now; the old record says this graph ran emulated
+    emulated = DLSConfig(precision_mode="emulate")
+    gm = apply_dls(mlp_step(emulated).gm, emulated)
+    code = gm.code
+    _as_written_before_the_config_carried_the_mode(gm, "emulate")
+    assert recorded_config(gm) == emulated
+    assert apply_dls(gm, emulated).code == code  # the same config: unchanged
+    with pytest.raises(PassContractError, match="precision emulate.*refusing.*precision native"):
+        apply_dls(gm, DLSConfig())
 
 
 @pytest.mark.parametrize(("cfg", "want"), [
@@ -235,6 +275,7 @@ def test_recorded_config_survives_torch_export() -> None:
     gm = apply_dls(step.gm, cfg)
     ep = torch.export.export(gm, tuple(step.inputs()), strict=False)
     exported = ep.graph_module
-    assert recorded_config(exported) == cfg
+    # the record carries the mode in effect (float16's default, native)
+    assert recorded_config(exported) == dataclasses.replace(cfg, precision_mode="native")
     with pytest.raises(PassContractError, match="already rewritten"):
         apply_dls(exported, DLSConfig())
