@@ -41,6 +41,7 @@ from dlspass.errors import DLSInputError, InputValueError
 from dlspass.files.atomic_write import write_atomic
 from dlspass.files.bounded_text import excerpt
 from dlspass.files.dcp_reader import load_untrusted
+from dlspass.files.zip_view import UnsafeArchiveError, check_zip_bounds
 from dlspass.scale_policy import STATE_DTYPES, STATE_FIELDS
 from dlspass.scaler import GradScaler, ScalerStateError
 from dlspass.scaler.state_dict import (
@@ -124,8 +125,6 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     # zip format is read, and its directory is bounded first (a zip bomb is refused from it)
     if not zipfile.is_zipfile(path):
         raise CheckpointError(f"{path}: not a readable checkpoint (not in torch.save's zip format)")
-    from dlspass.files.pt2_archive import UnsafeArchiveError, check_zip_bounds
-
     try:
         raw = check_zip_bounds(path)  # torch reads these bytes, not the file a second time
     except UnsafeArchiveError as e:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 # the factory is resolved as `dlspass export` resolves it
 from dlspass.capture.export import _resolve_factory
+from dlspass.debug.analyze_program import calibrate_program
 from dlspass.debug.precision_risk import RENDER_FORMATS, AnalyzeError, analyze, judge, render
 from dlspass.files.atomic_write import write_text_atomic
 from dlspass.files.bounded_text import printable
@@ -23,8 +24,6 @@ def run_analyze(factory: str, fmt: str, output: Path | None, formats: str | None
     out = check_output_path(output, (f".{fmt}", ".txt")) if output is not None else None
     names = [f.strip() for f in formats.split(",")] if formats else list(RANGES)
     if factory.endswith(".pt2"):  # an exported joint program: one run on its example inputs
-        from dlspass.debug.analyze_program import calibrate_program
-
         for f in names:
             get_range(f)  # an unknown format is refused before the program is run
         result = judge(calibrate_program(Path(factory)), formats=names, threshold=threshold)

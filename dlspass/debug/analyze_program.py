@@ -19,12 +19,15 @@ reads a parameter, by that parameter's module (``addmm_1 (net.fc1)``). The verdi
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch._export.serde.serialize import _SYM_OPS
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from dlspass.capture.joint_step import joint_graph
@@ -107,10 +110,6 @@ _EFFECTS = frozenset({"aten::_print"})
 
 
 def _refusal(target: Any) -> str | None:
-    import operator
-
-    from torch._export.serde.serialize import _SYM_OPS
-
     if isinstance(target, torch._ops.HigherOrderOperator):
         return (f"higher-order operator {target.name()!r} (control flow that may loop without end, "
                 "output, or code of its own)")
@@ -128,8 +127,6 @@ def check_runnable(gm: fx.GraphModule, values: list[Any], source: str) -> None:
     does more than compute tensors, or a value (or all values together) above the bounds derived
     from the size of ``values`` (module doc). Shapes come from a run on fake tensors, which
     allocates nothing: the shapes the file records are not trusted."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     for n in gm.graph.nodes:
         if n.op in ("call_module", "call_method"):
             raise AnalyzeError(f"{source}: analyze does not run a graph with {n.op} nodes")

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from dlspass.errors import InputValueError
 from dlspass.graph.roles import FAULT_STEP
+from dlspass.passes.inject_faults_pass import InjectFaultsPass
 
 KINDS = ("grad", "activation", "loss")
 VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
@@ -245,8 +246,6 @@ def inject_faults(gm: fx.GraphModule, faults: Iterable[Fault]) -> fx.GraphModule
     ``where(fault_step == k, value, x)`` for each of its faulted steps. The graph then takes one
     input more: the index of the step being run.
     """
-    from dlspass.passes.inject_faults_pass import InjectFaultsPass
-
     InjectFaultsPass(faults)(gm)
     return gm
 
@@ -300,6 +299,8 @@ def install_faults(step: Any, faults: Iterable[Fault], *, compile: bool = False,
     install before its first call (the injection becomes part of its one graph); ``compile`` is
     ignored (the step has its own backend), ``schedule.remove()`` disables the faults.
     """
+    # late: the compile path (dynamo, inductor) loads only where a step is installed, not for
+    # every eager user of FaultSchedule and localize (tests/test_layout.py names it)
     from dlspass.capture.compiled_step import CompiledStep
 
     faults = list(faults)
@@ -348,8 +349,6 @@ def compiled_fault_pass(faults: Iterable[Fault],
     targets. Each faulted gradient's last ``where`` becomes the GRAD node, its original node is
     re-tagged ``pre_fault_grad``: the overflow check then sees the fault.
     """
-    from dlspass.passes.inject_faults_pass import InjectFaultsPass
-
     faults = [dataclasses.replace(f, target=names.get(f.target, f.target))
               if f.kind == "grad" and names else f for f in faults]
     # the step feeds fault_step on the device of its parameters, the graph's first inputs

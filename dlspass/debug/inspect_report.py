@@ -16,11 +16,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from dlspass.capture.joint_step import step_graph
+from dlspass.capture.pt2_io import load_program
 from dlspass.debug.step_regions import reach, regions_html
 from dlspass.debug.step_svg import esc, render_svg
 from dlspass.errors import InputValueError
 from dlspass.files.bounded_text import one_line, printable
+from dlspass.files.paths import check_input_file
 from dlspass.graph import roles
+from dlspass.graph.roles import recorded_config
+from dlspass.onnx.files import load_onnx, onnx_meta
+from dlspass.passes.decompose_rounding_pass import rounded_format
 
 FORMATS = ("text", "json", "svg", "html")
 SCHEMA_ID = "dlspass-inspect/1"
@@ -100,17 +108,11 @@ def _op_name(node: Any) -> str:
 
 
 def _converts(node: Any) -> bool:
-    import torch
-
-    from dlspass.passes.decompose_rounding_pass import rounded_format
-
     return rounded_format(node) is not None or node.target in (
         torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
 def _cast_key(node: Any) -> str:
-    from dlspass.passes.decompose_rounding_pass import rounded_format
-
     fmt = rounded_format(node)
     if fmt is not None:
         return fmt
@@ -184,9 +186,6 @@ def _scaled_region(nodes: list[dict], edges: list[list[str]]) -> dict[str, Any]:
 
 
 def _summarize_pt2(path: Path) -> dict[str, Any]:
-    from dlspass.capture.joint_step import step_graph
-    from dlspass.capture.pt2_io import load_program
-
     ep, meta = load_program(path)
     kind = (meta or {}).get("kind") or ("joint" if getattr(ep.graph_signature, "backward_signature", None)
                                         else "program")
@@ -195,8 +194,6 @@ def _summarize_pt2(path: Path) -> dict[str, Any]:
 
 
 def _summarize_onnx(path: Path) -> dict[str, Any]:
-    from dlspass.onnx.files import load_onnx, onnx_meta
-
     model = load_onnx(path)
     meta = onnx_meta(model) or {}
     out_roles = json.loads(model.metadata_props.get(roles.ONNX_ROLES_KEY, "{}"))
@@ -233,16 +230,12 @@ def _summarize_onnx(path: Path) -> dict[str, Any]:
 
 def summarize_file(path: str | Path) -> dict[str, Any]:
     """The inspect report of a ``.pt2`` or ``.onnx`` file (see ``REPORT_SCHEMA``)."""
-    from dlspass.files.paths import check_input_file
-
     p = check_input_file(path)
     return _report(_summarize_pt2(p) if p.suffix == ".pt2" else _summarize_onnx(p), str(p))
 
 
 def summarize_graph(gm: Any, *, name: str = "graph") -> dict[str, Any]:
     """The inspect report of an in-memory rewritten FX GraphModule (``file`` is ``name``)."""
-    from dlspass.passes import recorded_config
-
     cfg = recorded_config(gm)
     meta = {"config": cfg.to_dict() if cfg is not None else None}
     return _report({"file_format": "pt2", "kind": "step", "meta": meta, **_summarize_fx(gm)}, name)

@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from dlspass.debug.faults import FaultSchedule
 from dlspass.errors import InputTypeError
 from dlspass.graph import roles
 
@@ -41,7 +42,6 @@ from dlspass.graph import roles
 @dataclass
 class OverflowReport:
     """Where a step's non-finite values came from (``origin is None``: none were found)."""
-
     origin: str | None = None  # graph node name, or module name in eager
     op: str | None = None  # the ATen op or the module class
     role: str | None = None  # the dlspass role of the origin node, if any
@@ -277,8 +277,6 @@ def localize_overflow(step_or_model: Any, batch: Any,
         >>> if not bool(scaler.step(opt)):                                 # doctest: +SKIP
         ...     print(localize_overflow(model, batch, loss_fn, scaler=scaler))
     """
-    from dlspass.debug.faults import FaultSchedule
-
     if isinstance(step_or_model, FaultSchedule):
         step = step_or_model.step
         k = step.num_calls if step_index is None else step_index

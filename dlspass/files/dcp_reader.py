@@ -30,6 +30,7 @@ import torch
 
 from dlspass.errors import DLSInputError, InputValueError
 from dlspass.files.bounded_text import excerpt
+from dlspass.files.zip_view import UnsafeArchiveError, check_zip_bounds
 
 MAX_METADATA_BYTES = 16 * 2**20
 MAX_ITEM_BYTES = 64 * 2**20
@@ -174,8 +175,6 @@ def _check_storage(folder: Path, index: Any, info: Any) -> tuple[bytes, int]:
     with open(folder / name, "rb") as f:
         f.seek(offset)
         blob = f.read(length)
-    from dlspass.files.pt2_archive import UnsafeArchiveError, check_zip_bounds
-
     try:
         blob = check_zip_bounds(blob, f"storage entry {excerpt(str(index), 80)}")
     except UnsafeArchiveError as e:

@@ -47,12 +47,22 @@ import json
 import math
 import zipfile
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from dlspass.errors import InputValueError
+import torch
+from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
+from torch.export.pt2_archive.constants import ARCHIVE_VERSION_VALUE
+
 from dlspass.files.bounded_text import excerpt
+from dlspass.files.file_meta import check_pt2_meta
 from dlspass.files.pt2_program import MAX_GUARDS, ExpressionBudget, guard_refusal, target_refusal
-from dlspass.files.zip_view import MAX_INFLATION_BYTES, ZipView, read_view
+from dlspass.files.zip_view import (
+    MAX_INFLATION_BYTES,
+    UnsafeArchiveError,
+    ZipView,
+    check_zip_bounds,
+    read_view,
+)
 
 __all__ = ["MAX_INFLATION_BYTES", "UnsafeArchiveError", "check_pt2_archive", "check_zip_bounds",
            "read_checked_pt2", "save_pt2"]
@@ -84,14 +94,8 @@ which for an atomic write is the temporary file's random name)."""
 
 def save_pt2(ep: Any, path: str | Path, extra_files: dict[str, str] | None = None) -> None:
     """``torch.export.save(ep)`` to ``path`` with the stable root folder ``ARCHIVE_ROOT``."""
-    import torch
-
     with open(path, "wb") as f:  # torch names the root of a file object's archive "archive"
         torch.export.save(ep, f, extra_files=extra_files)
-
-
-# a ``.pt2`` archive that torch would unpickle, evaluate or inflate without bound
-UnsafeArchiveError = InputValueError
 
 
 def read_checked_pt2(path: str | Path) -> bytes:
@@ -127,32 +131,8 @@ def check_pt2_archive(path: str | Path) -> None:
     read_checked_pt2(path)
 
 
-def check_zip_bounds(source: str | Path | IO[bytes] | bytes, name: str | None = None) -> bytes:
-    """The bytes of a ``torch.save`` zip (a path, a file object or bytes) once its layout is
-    one that torch's reader and ``zipfile`` read alike (see ``dlspass.files.zip_view``) and
-    its members inflate within ``MAX_INFLATION_BYTES`` (torch allocates each declared size);
-    else ``UnsafeArchiveError``. Reads the whole source; ``name`` names it in messages."""
-    where = name if name is not None else str(source if not isinstance(source, bytes) else "<bytes>")
-    try:
-        if isinstance(source, bytes):
-            data = source
-        elif isinstance(source, (str, Path)):
-            data = Path(source).read_bytes()
-        else:  # a file object: read from its start
-            source.seek(0)
-            data = source.read()
-    except OSError as e:
-        raise UnsafeArchiveError(f"{where}: cannot be read ({e.strerror or type(e).__name__})") from None
-    if not zipfile.is_zipfile(io.BytesIO(data)):
-        raise UnsafeArchiveError(f"{where}: not a readable zip (not in torch.save's zip format)")
-    read_view(data, where)
-    return data
-
-
 class _Archive:
     def __init__(self, view: ZipView, p: Path) -> None:
-        import torch
-
         self.view, self.p, self.members = view, p, view.records
         # the reader torch.export.load opens, on the same bytes (read_view compared the two)
         self.reader = torch._C.PyTorchFileReader(io.BytesIO(view.data))
@@ -186,7 +166,6 @@ class _Archive:
         if _FORMAT not in m or self.read(_FORMAT, 64) != b"pt2":
             raise self.fail("not a torch.export archive (no archive_format 'pt2'; a legacy or "
                             "foreign layout)")
-        from torch.export.pt2_archive.constants import ARCHIVE_VERSION_VALUE
 
         if _VERSION not in m or self.read(_VERSION, 64).decode("ascii", "replace") != ARCHIVE_VERSION_VALUE:
             raise self.fail(f"archive version is not {ARCHIVE_VERSION_VALUE} (a legacy layout)")
@@ -272,7 +251,6 @@ class _Archive:
         size = self.members[_SAMPLE_INPUTS].size
         if size == 0:
             return  # torch reads an empty member as no inputs
-        import torch
 
         raw = self.read(_SAMPLE_INPUTS, size)
         # torch.load allocates what the nested zip declares (and the legacy non-zip format
@@ -351,8 +329,6 @@ class _Archive:
         count): refused here, before torch spends time deserialising the program."""
         if _DLSPASS_META not in self.members:
             return
-        from dlspass.files.file_meta import check_pt2_meta
-
         check_pt2_meta(self.read_json(_DLSPASS_META), str(self.p))
 
     def check_target(self, target: Any) -> None:
@@ -384,8 +360,6 @@ def _size_hint(dim: Any) -> int:
 
 
 def _itemsizes() -> dict[int, int]:
-    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
-
     return {int(k): v.itemsize for k, v in _SERIALIZE_TO_TORCH_DTYPE.items()}
 
 

@@ -13,9 +13,13 @@ bounds in total.
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import re
 from typing import Any
+
+import torch
+from torch._export.serde.serialize import _SYM_OPS
 
 from dlspass.files.bounded_text import excerpt
 
@@ -107,7 +111,6 @@ class ExpressionBudget:
     """The symbolic expressions of one program: each bounded in grammar, nesting and arity,
     all of them in text (``MAX_EXPR_TOTAL_CHARS``) and in ``Max``/``Min`` argument pairs
     over the distinct ones (``MAX_MINMAX_PAIRS``)."""
-
     def __init__(self) -> None:
         self.seen: set[str] = set()
         self.chars = 0
@@ -204,10 +207,6 @@ def _python_subset(text: Any, names: frozenset[str], attrs: frozenset[str], *, k
 
 def _resolve_target(target: str) -> Any:
     """The object torch's deserializer binds ``target`` to (its ``deserialize_operator``)."""
-    import math
-
-    import torch
-
     head, *names = target.split(".")
     obj: Any = {"torch": torch, "_operator": operator, "math": math}[head]
     for name in names:
@@ -218,9 +217,6 @@ def _resolve_target(target: str) -> Any:
 
 
 def _is_operator(obj: Any) -> bool:
-    import torch
-    from torch._export.serde.serialize import _SYM_OPS
-
     if isinstance(obj, torch._ops.OpOverload):
         return obj._schema.name not in _EFFECTS
     if isinstance(obj, torch._ops.HigherOrderOperator):

@@ -38,6 +38,10 @@ import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import torch
 
 from dlspass.errors import InputValueError
 from dlspass.files.bounded_text import excerpt
@@ -68,7 +72,6 @@ UnsafeZipError = InputValueError
 @dataclass(frozen=True)
 class Record:
     """One member: its name relative to the root folder and where its data lies."""
-
     name: str
     header: int  # offset of the local header
     offset: int  # offset of the data
@@ -80,7 +83,6 @@ class Record:
 
 class ZipView:
     """The records of an archive as every reader sees them (built by ``read_view``)."""
-
     def __init__(self, data: bytes, where: str, root: str, records: dict[str, Record]) -> None:
         self.data, self.where, self.root, self.records = data, where, root, records
 
@@ -319,8 +321,6 @@ def _agrees_with_zipfile(view: ZipView) -> None:
 
 def _agrees_with_torch(view: ZipView) -> None:
     """torch's own reader must list the same records at the same places."""
-    import torch
-
     try:
         reader = torch._C.PyTorchFileReader(io.BytesIO(view.data))
         names = reader.get_all_records()
@@ -341,3 +341,30 @@ def _agrees_with_torch(view: ZipView) -> None:
     except Exception as e:  # torch's reader raises RuntimeError with miniz's message
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise view.fail(f"torch's zip reader refuses it ({excerpt(first, 80)})") from None
+
+
+# an archive that torch would unpickle, evaluate or inflate without bound (``.pt2`` files and
+# ``torch.save`` zips alike)
+UnsafeArchiveError = InputValueError
+
+
+def check_zip_bounds(source: str | Path | IO[bytes] | bytes, name: str | None = None) -> bytes:
+    """The bytes of a ``torch.save`` zip (a path, a file object or bytes) once its layout is
+    one that torch's reader and ``zipfile`` read alike (`read_view`) and
+    its members inflate within ``MAX_INFLATION_BYTES`` (torch allocates each declared size);
+    else ``UnsafeArchiveError``. Reads the whole source; ``name`` names it in messages."""
+    where = name if name is not None else str(source if not isinstance(source, bytes) else "<bytes>")
+    try:
+        if isinstance(source, bytes):
+            data = source
+        elif isinstance(source, (str, Path)):
+            data = Path(source).read_bytes()
+        else:  # a file object: read from its start
+            source.seek(0)
+            data = source.read()
+    except OSError as e:
+        raise UnsafeArchiveError(f"{where}: cannot be read ({e.strerror or type(e).__name__})") from None
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        raise UnsafeArchiveError(f"{where}: not a readable zip (not in torch.save's zip format)")
+    read_view(data, where)
+    return data
