@@ -131,3 +131,40 @@ class PrecisionPolicy:
     def keeps_fp32(self, target: object) -> bool:
         """True when a node calling ``target`` runs in float32 whatever its inputs (native mode)."""
         return target in self.fp32_ops
+
+
+# ---- attention: the kernel SDPA's dispatch gives 16-bit q, k, v ------------------------------
+
+FLASH = "flash"
+KEEP = "keep"
+# flash attention's head-dimension bound, and the bound above which its backward needs an
+# sm80 or sm90 GPU (on sm86 and sm89 the backward of larger heads does not fit shared memory)
+FLASH_MAX_HEAD_DIM = 256
+FLASH_SM86_89_MAX_GRAD_HEAD_DIM = 192
+
+
+def attention_kernel(device_type: str, dtype: torch.dtype, head_dim: int, *, has_bias: bool,
+                     dropout_p: float, is_causal: bool, q_len: int, k_len: int,
+                     capability: tuple[int, int] | None, needs_grad: bool = True) -> str:
+    """``FLASH`` when torch's SDPA dispatch (``sdp_utils``, torch 2.11-2.13) would run flash
+    attention on 16-bit q, k, v with these properties on this device, else ``KEEP`` (the kernel
+    the trace chose stays).
+
+    Flash attention takes float16 and bfloat16 on CUDA GPUs of compute capability 8.0 or newer,
+    no attention mask (bias), head dimensions up to 256 (a multiple of 8: SDPA pads others before
+    calling the kernel, the raw op does not), a causal mask only for square attention, and on
+    sm86/sm89 a backward only up to head dimension 192. Dropout keeps the traced kernel: the two
+    kernels draw their dropout masks from different random streams. ``capability`` None (no GPU
+    to ask) keeps.
+    """
+    if device_type != "cuda" or capability is None or capability < (8, 0):
+        return KEEP
+    if dtype not in (torch.float16, torch.bfloat16) or has_bias or dropout_p != 0.0:
+        return KEEP
+    if head_dim > FLASH_MAX_HEAD_DIM or head_dim % 8 != 0:
+        return KEEP
+    if is_causal and q_len != k_len:
+        return KEEP
+    if needs_grad and capability in ((8, 6), (8, 9)) and head_dim > FLASH_SM86_89_MAX_GRAD_HEAD_DIM:
+        return KEEP
+    return FLASH

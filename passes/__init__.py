@@ -2,7 +2,8 @@
 
 Order (one pass per file, ``VerbNounPass`` in ``verb_noun_pass.py``):
 
-1. ``LowerPrecisionPass``  mm/bmm/conv forward and backward in 16 bits (``mixed_precision``)
+1. ``LowerPrecisionPass``  mm/bmm/conv forward and backward in 16 bits (``mixed_precision``),
+   then (native mode) ``SelectAttentionKernelPass``: flash attention where SDPA would pick it
 2. ``ScaleSeedPass``       backward seed × loss_scale
 3. ``UnscaleGradsPass``    gradients × 1/loss_scale, one overflow flag (dynamic)
 4. ``ClipGradNormPass``    global-norm / value clipping after the check
@@ -48,6 +49,7 @@ from dlspass.passes.clip_grad_norm_pass import ClipGradNormPass
 from dlspass.passes.guard_updates_pass import GuardUpdatesPass
 from dlspass.passes.lower_precision_pass import LowerPrecisionPass
 from dlspass.passes.scale_seed_pass import ScaleSeedPass
+from dlspass.passes.select_attention_kernel_pass import SelectAttentionKernelPass
 from dlspass.passes.unscale_grads_pass import UnscaleGradsPass
 from dlspass.passes.update_scale_pass import UpdateScalePass
 
@@ -69,6 +71,9 @@ def default_passes(config: DLSConfig | None) -> list[DLSPass]:
     passes: list[DLSPass] = []
     if config is not None and config.mixed_precision:
         passes.append(LowerPrecisionPass(config.fp16_type, config.lowering_mode))
+        if config.lowering_mode == "native":
+            # after the casts: the attention kernel chosen for the 16-bit inputs (on CUDA)
+            passes.append(SelectAttentionKernelPass())
     if config is not None:
         passes += [ScaleSeedPass(config), UnscaleGradsPass(config), ClipGradNormPass(config),
                    GuardUpdatesPass(config), UpdateScalePass(config)]
