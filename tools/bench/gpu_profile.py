@@ -38,6 +38,7 @@ import argparse
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 from collections import Counter
@@ -46,7 +47,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_native import DTYPES, MODELS, _dlspass_step, _torch_step  # this folder: sys.path[0]
+from bench_native import (  # this folder: sys.path[0]
+    DTYPES,
+    MODELS,
+    _dlspass_step,
+    _timed,
+    _torch_step,
+    step_peak_mb,
+)
 from torch import Tensor, nn
 
 from dlspass.debug.kernel_count import compiled_launches, eager_ops
@@ -180,6 +188,10 @@ def measure(model_name: str, fmt: str, args: argparse.Namespace) -> dict[str, di
             step(*batch)
         row = {"first_s": first, "compiled": compiled, "kernels": kc}
         row.update(profile_step(step, batch, args.device, 1 if args.launches_only else args.steps))
+        if not args.launches_only:  # the step unprofiled: median of interleaved-free samples
+            samples = [_timed(step, batch, args.steps, args.device) for _ in range(args.repeats)]
+            row["step_ms"] = 1e3 * statistics.median(samples)
+            row["peak_mb"] = step_peak_mb(step, batch, args.device)
         if args.device == "cpu":
             row["launches"] = compiled + row["eager_per_step"]
         rows[variant] = row
@@ -207,6 +219,20 @@ def report(results: dict[tuple[str, str], dict[str, dict[str, Any]]], args: argp
                 cells = [m, fmt, v.partition("-")[0], *(f"{r[b]:.2f}" for b in BUCKETS),
                          f"{r['wall_ms']:.2f}", f"{r['launches']:.0f}"]
                 lines.append("| " + " | ".join(cells) + " |")
+        goal = 0.90 if args.device == "cuda" else 1.0
+        lines += ["", f"Unprofiled step (median of {args.repeats} samples of {args.steps} steps) and peak "
+                  f"memory above the resident state (bench_native.step_peak_mb); goals: step <= {goal}x "
+                  "torch, peak <= 1.0x torch:", "",
+                  "| model | format | torch ms | dlspass ms | ratio | torch peak MB | dlspass peak MB | ratio "
+                  "| first call s (torch / dlspass) |", "|---|---|---|---|---|---|---|---|---|"]
+        for (m, fmt), rows in results.items():
+            t, d = rows[f"torch-{fmt}"], rows[f"dlspass-{fmt}"]
+            r = d["step_ms"] / t["step_ms"]
+            mem = (d["peak_mb"] / t["peak_mb"]) if d.get("peak_mb") and t.get("peak_mb") else None
+            lines.append(f"| {m} | {fmt} | {t['step_ms']:.2f} | {d['step_ms']:.2f} | {r:.2f}"
+                         f"{'' if r <= goal else ' MISS'} | {_mb(t)} | {_mb(d)} | "
+                         f"{'' if mem is None else f'{mem:.2f}' + ('' if mem <= 1.0 else ' MISS')} | "
+                         f"{t['first_s']:.1f} / {d['first_s']:.1f} |")
         lines += ["", "Attention kernels:", ""]
         for (m, _fmt), rows in results.items():
             for v, r in rows.items():
@@ -229,6 +255,10 @@ def report(results: dict[tuple[str, str], dict[str, dict[str, Any]]], args: argp
     return "\n".join(lines)
 
 
+def _mb(r: dict[str, Any]) -> str:
+    return "" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
+
+
 def _total(r: dict[str, Any], device: str) -> float:
     return r["launches"]
 
@@ -248,6 +278,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--formats", nargs="+", default=["bfloat16", "float16"], choices=list(DTYPES))
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="unprofiled timing samples of --steps steps")
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--small", dest="size", action="store_const", const="small")
     sizes.add_argument("--large", dest="size", action="store_const", const="large")
