@@ -127,6 +127,10 @@ class LiveOptimizer:
         # dynamo + AOTAutograd time of the first call, and of every warm start).
         self.hyper = [{k: torch.zeros((1,), dtype=torch.float64, device=device)
                        for k in self.fopt.hyper_keys()} for _ in opt.param_groups]
+        # the Python values last written into each hyperparameter tensor: a value that has not
+        # changed since is not written again (each write is a kernel launch outside the graph,
+        # five per step for AdamW, on a GPU)
+        self._written: list[dict[str, float]] = [{} for _ in opt.param_groups]
         # the traced code reads these copies, never param_groups itself: dynamo guards every
         # value of a dict it iterates, so reading a group would bake its values in as constants
         self.params = [list(g["params"]) for g in opt.param_groups]
@@ -153,7 +157,7 @@ class LiveOptimizer:
             if opt.state[p].get("momentum_buffer") is not buf:  # replaced, e.g. by load_state_dict
                 self.flags[pid].fill_(True)
                 del self._created[pid]
-        for hyper, group in zip(self.hyper, opt.param_groups, strict=True):
+        for hyper, written, group in zip(self.hyper, self._written, opt.param_groups, strict=True):
             values = dict(group)
             if self.fopt.kind == "Adam":
                 values["beta1"], values["beta2"] = group["betas"]
@@ -161,8 +165,10 @@ class LiveOptimizer:
                 v = values[k]
                 if isinstance(v, Tensor):
                     t.copy_(v.detach().reshape(()))  # no host sync for a tensor lr
-                else:
+                    written.pop(k, None)
+                elif written.get(k) != float(v):  # NaN never equals: written every call
                     t.fill_(float(v))
+                    written[k] = float(v)
         if self.scaler is not None:
             self.state = self.scaler.state
 
