@@ -117,3 +117,13 @@ def _names(names: Iterable[str]) -> str:
     names = list(names)
     more = f", +{len(names) - 3} more" if len(names) > 3 else ""
     return ", ".join(names[:3]) + more
+
+
+def inductor_options(decision: CudaGraphDecision) -> dict[str, object]:
+    """The inductor settings that carry out ``decision`` for a step compiled whole: CUDA graphs
+    (inductor's cudagraph trees) on when it records, off otherwise; on CUDA, horizontal fusion
+    of the many small per-parameter kernels of the optimizer and DLS tail (combo kernels) too.
+    (torch 2.11 and 2.13 have both settings.)"""
+    if not decision.record:
+        return {"triton.cudagraphs": False}
+    return {"triton.cudagraphs": True, "triton.cudagraph_trees": True, "combo_kernels": True}

@@ -101,3 +101,15 @@ def test_the_first_reason_is_the_one_reported(facts, first):
 def test_long_lists_are_cut_to_one_line():
     d = cudagraph_decision(StepFacts(frozenset({"cuda"}), syncs=tuple(f"n{i}" for i in range(7))))
     assert d.reason == f"{USER_SYNC} (n0, n1, n2, +4 more)"
+
+
+@pytest.mark.parametrize("decision", [CudaGraphDecision(True), CudaGraphDecision(False, NOT_CUDA)])
+def test_inductor_options_are_settings_this_torch_has(decision):
+    from torch._inductor import config as inductor_config
+
+    from dlspass.cudagraph_policy import inductor_options
+
+    opts = inductor_options(decision)
+    assert opts["triton.cudagraphs"] is decision.record
+    with inductor_config.patch(opts):  # an unknown key raises here
+        assert inductor_config.triton.cudagraphs is decision.record
