@@ -61,8 +61,8 @@ PASSES = {p.name: p for p in (LowerPrecisionPass, ScaleSeedPass, UnscaleGradsPas
 # applied_passes) stay importable from here without being part of the package's surface.
 __all__ = [
     "ClipGradNormPass", "DLSPass", "GraphPass", "GraphPassResult", "GuardUpdatesPass",
-    "LowerPrecisionPass", "PassContractError", "ScaleSeedPass", "UnscaleGradsPass",
-    "UpdateScalePass", "apply_dls", "default_passes",
+    "LowerPrecisionPass", "PassContractError", "ScaleSeedPass", "SelectAttentionKernelPass",
+    "UnscaleGradsPass", "UpdateScalePass", "apply_dls", "default_passes",
 ]
 
 
