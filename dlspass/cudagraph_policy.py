@@ -72,6 +72,11 @@ class CudaGraphDecision:
     def __str__(self) -> str:
         return "recorded as one CUDA graph" if self.record else f"no CUDA graph: {self.reason}"
 
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the step runs on CUDA at all (a CPU step has nothing to record or warn about)."""
+        return self.record or not (self.reason or "").startswith(NOT_CUDA)
+
 
 def cudagraph_decision(facts: StepFacts) -> CudaGraphDecision:
     """The rule: record when the step is all CUDA, static, and never syncs; else the first

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ from dlspass.capture import step_pipeline
 from dlspass.capture.cache_facts import inductor_key_config
 from dlspass.capture.dynamo_source import tag_aot_graph
 from dlspass.capture.step_plan import StepPlan
+from dlspass.cudagraph_policy import cudagraph_decision, inductor_options, step_facts
 from dlspass.formats import INDUCTOR_CONFIG  # keeps the rounding casts
 from dlspass.graph import roles
 from dlspass.passes.decompose_for_inductor_pass import DecomposeForInductorPass
@@ -50,7 +52,8 @@ Rewrite = Callable[[fx.GraphModule, list[Any]], tuple[list[Any], Callable[[Calla
 def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewrite,
                 bw_rewrite: Rewrite, backend_compiler: str, *, mutations_in_graph: bool = True,
                 inductor_config_extra: dict[str, Any] | None = None,
-                joint_rewrite: Callable[[fx.GraphModule], object] | None = None) -> Callable:
+                joint_rewrite: Callable[[fx.GraphModule], object] | None = None,
+                graph_config: Callable[[fx.GraphModule], dict[str, Any]] | None = None) -> Callable:
     """AOTAutograd over dynamo's graph, each AOT graph rewritten, then compiled.
 
     ``mutations_in_graph``: an inference graph keeps its input mutations as ``copy_`` nodes
@@ -61,6 +64,8 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
     joint-graph passes), so the partitioner chooses what to save among the rewritten values;
     the joint graph's outputs (the forward's and the gradients) must keep their traced
     dtypes. An inference graph has no joint graph: only ``fw_rewrite`` sees it.
+    ``graph_config``: inductor settings read from each rewritten graph, on top of the others
+    (the step's CUDA-graph decision); an empty dict leaves the compile as it was.
 
     For inductor this is inductor's own hand-off (``compile_fx``'s aot path): the joint graph
     is traced once with inductor's decompositions and partitioner, and the rewritten forward
@@ -85,15 +90,19 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
         def compile_graph(g: fx.GraphModule, ex: list[Any], is_backward: bool,
                           is_inference: bool) -> Callable:
             DecomposeForInductorPass()(g)
+            per_graph = graph_config(g) if graph_config is not None else {}
             # the CPU facts in the cache key (dlspass.capture.cache_facts): a cache entry made
             # under another vector ISA or thread count is a miss, never a wrong hit
             with inductor_config.patch({**INDUCTOR_CONFIG, **inductor_key_config(),
-                                        **(inductor_config_extra or {})}):
+                                        **(inductor_config_extra or {}), **per_graph}):
+                # inductor reads its CUDA-graph switch into the per-graph settings when they
+                # are made: made again under the graph's own settings when it has any
+                graph_extra = compiler_config_extra(cfx, gm, inductor_config) if per_graph else extra
                 if is_backward:
-                    return cfx.compile_fx_backward(g, ex, compiler_config_extra=extra)
+                    return cfx.compile_fx_backward(g, ex, compiler_config_extra=graph_extra)
                 return cfx.compile_fx_forward(g, ex, num_orig_model_outputs=n_outputs,
-                                              num_example_inputs=n_inputs, compiler_config_extra=extra,
-                                              is_inference=is_inference)
+                                              num_example_inputs=n_inputs,
+                                              compiler_config_extra=graph_extra, is_inference=is_inference)
 
         # ones_like/full_like stay whole through the trace: the step's backward seed is found as
         # one (dynamo_source.find_seed); so does empty_like, by which backward's store into a
@@ -166,7 +175,22 @@ def step_backend(gm: fx.GraphModule, example_inputs: list[Any], *, plan: StepPla
     rewrite = functools.partial(_rewrite_step, plan=plan, keep=keep)
     return aot_backend(gm, example_inputs, rewrite, rewrite, plan.backend_compiler,
                        mutations_in_graph=False,
-                       inductor_config_extra=_step_inductor_config(example_inputs))
+                       inductor_config_extra=_step_inductor_config(example_inputs),
+                       graph_config=step_cudagraph_config)
+
+
+def step_cudagraph_config(gm: fx.GraphModule) -> dict[str, Any]:
+    """The inductor settings of the CUDA-graph decision for the rewritten step graph ``gm``
+    (``dlspass.cudagraph_policy``): cudagraph trees when the whole step can be recorded; on
+    CUDA when it cannot, CUDA graphs off and one warning with the reason; on CPU nothing (the
+    CPU compile, and its cache key, stay as they were)."""
+    decision = cudagraph_decision(step_facts(gm.graph))
+    if not decision.on_cuda:
+        return {}
+    if not decision.record:
+        warnings.warn(f"dlspass.compile: the step runs without a CUDA graph: {decision.reason}",
+                      UserWarning, stacklevel=2)
+    return inductor_options(decision)
 
 
 def _rewrite_step(gm: fx.GraphModule, example_inputs: list[Any], *, plan: StepPlan,

@@ -63,6 +63,14 @@ def _materialize_state(optimizer: torch.optim.Optimizer, fopt: FunctionalOptimiz
     return created
 
 
+def mark_static(tensors: Any) -> None:
+    """Mark each tensor of ``tensors`` a static graph input (``torch._dynamo.mark_static_address``:
+    its address is part of the compiled graph, guarded, so a replaced tensor recompiles)."""
+    for t in tensors:
+        if isinstance(t, Tensor):
+            torch._dynamo.mark_static_address(t)
+
+
 # ---- the traced step ---------------------------------------------------------------------------
 
 class LiveOptimizer:
@@ -90,6 +98,7 @@ class LiveOptimizer:
         self._signature: tuple | None = None
         self.params: list[list[Tensor]] = []
         self.state: Any = None
+        self._cuda = False  # set by _build: the parameters live on CUDA
 
     def _build(self) -> None:
         """(Re)read the optimizer's structure: groups, parameters, static options, lazy state."""
@@ -134,6 +143,16 @@ class LiveOptimizer:
         # the traced code reads these copies, never param_groups itself: dynamo guards every
         # value of a dict it iterates, so reading a group would bake its values in as constants
         self.params = [list(g["params"]) for g in opt.param_groups]
+        self._cuda = device is not None and device.type == "cuda"
+        if self._cuda:
+            # inductor's cudagraph trees copy every graph input not marked static into the
+            # recorded graph's own memory at each replay, and write nothing back: the state the
+            # step updates in place must be read at its own address (torch.optim marks its
+            # state the same way under torch.compile). On CPU nothing is recorded: unmarked.
+            mark_static(t for group in self.hyper for t in group.values())
+            mark_static(self.flags.values())
+            mark_static(v for ps in self.params for p in ps for v in opt.state.get(p, {}).values())
+            mark_static(self.scaler.state if scaler is not None else self.state)
 
     def _stale(self) -> bool:
         opt = self.optimizer
@@ -170,6 +189,8 @@ class LiveOptimizer:
                     t.fill_(float(v))
                     written[k] = float(v)
         if self.scaler is not None:
+            if self._cuda and self.scaler.state is not self.state:  # a loaded or moved state
+                mark_static(self.scaler.state)
             self.state = self.scaler.state
 
     def step(self, *args: Any, **kwargs: Any) -> None:
