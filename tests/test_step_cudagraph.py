@@ -47,8 +47,17 @@ def _fake(*specs: tuple[tuple[int, ...], str]) -> fx.GraphModule:
         return make_fx(_sgd)(*(torch.empty(shape, device=dev) for shape, dev in specs))
 
 
-def test_a_cpu_step_reaches_not_cuda_and_inductor_gets_the_settings_it_had(monkeypatch):
+def _cpu_step():
+    """A small float32 SGD step on CPU through ``dlspass.compile``'s inductor hand-off."""
     torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return dlspass.compile(mse_train_step(model, opt), optimizer=opt, scaler=dlspass.GradScaler(),
+                           mixed_precision=False, backend_compiler="inductor")
+
+
+def test_a_cpu_step_reaches_not_cuda_and_inductor_gets_the_settings_it_had(monkeypatch):
     decisions: list[tuple[CudaGraphDecision, dict]] = []
     seen: list[tuple[dict, bool]] = []
 
@@ -64,11 +73,7 @@ def test_a_cpu_step_reaches_not_cuda_and_inductor_gets_the_settings_it_had(monke
     real_decide = aot.step_cudagraph_config
     monkeypatch.setattr(aot, "step_cudagraph_config", decide)
     monkeypatch.setattr(aot.cfx, "compile_fx_forward", forward)
-    torch.manual_seed(0)
-    model = MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = dlspass.compile(mse_train_step(model, opt), optimizer=opt, scaler=dlspass.GradScaler(),
-                           mixed_precision=False, backend_compiler="inductor")
+    step = _cpu_step()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a CPU step warns nothing
         step(torch.randn(4, 8), torch.randn(4, 4))
@@ -147,7 +152,6 @@ def test_a_cpu_graph_gets_no_settings_and_no_warning():
 def test_the_decision_s_settings_reach_inductor_s_compile_of_the_step(monkeypatch):
     # the CUDA decision forced on a CPU step: the settings and inductor's own cudagraphs switch
     # (read when its per-graph settings are made) must both say record
-    torch._dynamo.reset()
     seen: list[tuple[bool, bool, bool]] = []
 
     def forward(g, ex, *, compiler_config_extra, **kw):
@@ -157,10 +161,6 @@ def test_the_decision_s_settings_reach_inductor_s_compile_of_the_step(monkeypatc
 
     monkeypatch.setattr(aot, "step_cudagraph_config", lambda gm: inductor_options(CudaGraphDecision(True)))
     monkeypatch.setattr(aot.cfx, "compile_fx_forward", forward)
-    torch.manual_seed(0)
-    model = MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = dlspass.compile(mse_train_step(model, opt), optimizer=opt, scaler=dlspass.GradScaler(),
-                           mixed_precision=False, backend_compiler="inductor")
+    step = _cpu_step()
     step(torch.randn(4, 8), torch.randn(4, 4))
     assert seen == [(True, True, True)]
