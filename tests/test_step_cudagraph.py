@@ -47,13 +47,13 @@ def _fake(*specs: tuple[tuple[int, ...], str]) -> fx.GraphModule:
         return make_fx(_sgd)(*(torch.empty(shape, device=dev) for shape, dev in specs))
 
 
-def _cpu_step():
+def _cpu_step(scaler: dlspass.GradScaler | None = None):
     """A small float32 SGD step on CPU through ``dlspass.compile``'s inductor hand-off."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return dlspass.compile(mse_train_step(model, opt), optimizer=opt, scaler=dlspass.GradScaler(),
+    return dlspass.compile(mse_train_step(model, opt), optimizer=opt, scaler=scaler or dlspass.GradScaler(),
                            mixed_precision=False, backend_compiler="inductor")
 
 
@@ -73,7 +73,8 @@ def test_a_cpu_step_reaches_not_cuda_and_inductor_gets_the_settings_it_had(monke
     real_decide = aot.step_cudagraph_config
     monkeypatch.setattr(aot, "step_cudagraph_config", decide)
     monkeypatch.setattr(aot.cfx, "compile_fx_forward", forward)
-    step = _cpu_step()
+    scaler = dlspass.GradScaler()
+    step = _cpu_step(scaler)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a CPU step warns nothing
         step(torch.randn(4, 8), torch.randn(4, 4))
@@ -91,6 +92,8 @@ def test_a_cpu_step_reaches_not_cuda_and_inductor_gets_the_settings_it_had(monke
     assert config.pop(key).uuid() == expected.pop(key).uuid()
     assert config == expected
     assert cudagraphs is False
+    # nothing is recorded on CPU, so nothing is marked a static input (mark_static_address's mark)
+    assert not any(hasattr(t, "_dynamo_static_input_type") for t in scaler.state)
 
 
 def test_a_static_all_cuda_step_gets_cudagraph_trees_without_a_warning():
