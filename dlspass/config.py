@@ -37,6 +37,9 @@ NATIVE_FORMATS: tuple[str, ...] = ("float16", "bfloat16")
 """The formats with a hardware dtype: ``precision_mode="native"`` casts to them, and is their default.
 The one statement of it: ``dlspass.precision_policy.NATIVE_DTYPES``, ``dlspass.formats`` and the
 passes derive theirs from it."""
+Float8Recipe = Literal["tensorwise", "rowwise"]
+"""How a float8 step scales each matmul operand: one scale per tensor, or one per row."""
+FLOAT8_RECIPES: tuple[str, ...] = get_args(Float8Recipe)
 
 
 class ConfigError(InputValueError):
@@ -125,7 +128,12 @@ class DLSConfig:
     key for it): the step front ends (``dlspass.compile``, ``capture_step``) count, in the
     step's own kernels, where each scaled gradient and each lowered op's output lands in
     ``fp16_type`` (amax, flushed, subnormal, overflow), kept on the device until
-    ``step.telemetry.read()``; it changes no value the step computes. Entry points merge their
+    ``step.telemetry.read()``; it changes no value the step computes. ``float8`` (off by
+    default): ``"tensorwise"`` or ``"rowwise"`` runs the step's matmuls, forward and backward,
+    in float8 with one scale per tensor or per row computed from its amax, torchao's recipes
+    (``LowerMatmulsToFloat8Pass``, README "float8"); the rest of the step stays as the other
+    fields make it, and ``precision_mode`` picks ``torch._scaled_mm`` (native) or torchao's
+    emulation (emulate). Entry points merge their
     keyword overrides into a config with `with_overrides`.
 
     Example:
@@ -153,6 +161,7 @@ class DLSConfig:
     log_loss_scale: bool = False
     precision_mode: PrecisionMode | None = None
     telemetry: bool = False
+    float8: Float8Recipe | None = None
     extras: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -162,6 +171,8 @@ class DLSConfig:
         _choice("policy", self.policy, POLICIES, "preset")
         if self.precision_mode is not None:
             _choice("precision_mode", self.precision_mode, PRECISION_MODES, "mode")
+        if self.float8 is not None:
+            _choice("float8", self.float8, FLOAT8_RECIPES, "float8 recipe")
         ls = self.loss_scale
         if isinstance(ls, str):
             if ls != "dynamic":

@@ -3,7 +3,9 @@
 Order (one pass per file, ``VerbNounPass`` in ``verb_noun_pass.py``):
 
 1. ``LowerPrecisionPass``  mm/bmm/conv forward and backward in 16 bits (``mixed_precision``),
-   then (native mode) ``SelectAttentionKernelPass``: flash attention where SDPA would pick it
+   then (native mode) ``SelectAttentionKernelPass``: flash attention where SDPA would pick it,
+   then ``LowerMatmulsToFloat8Pass``: every admitted mm/addmm/bmm in float8 with current
+   scaling (``float8``); the gradients it computes reach the passes below
 2. ``ScaleSeedPass``       backward seed × loss_scale
 3. ``UnscaleGradsPass``    gradients × 1/loss_scale, one overflow flag (dynamic)
 4. ``ClipGradNormPass``    global-norm / value clipping after the check
@@ -47,13 +49,14 @@ from dlspass.passes.base import applied_passes as applied_passes
 from dlspass.passes.base import skip_reasons as skip_reasons
 from dlspass.passes.clip_grad_norm_pass import ClipGradNormPass
 from dlspass.passes.guard_updates_pass import GuardUpdatesPass
+from dlspass.passes.lower_matmuls_to_float8_pass import LowerMatmulsToFloat8Pass
 from dlspass.passes.lower_precision_pass import LowerPrecisionPass
 from dlspass.passes.scale_seed_pass import ScaleSeedPass
 from dlspass.passes.select_attention_kernel_pass import SelectAttentionKernelPass
 from dlspass.passes.unscale_grads_pass import UnscaleGradsPass
 from dlspass.passes.update_scale_pass import UpdateScalePass
 
-PASSES = {p.name: p for p in (LowerPrecisionPass, ScaleSeedPass, UnscaleGradsPass,
+PASSES = {p.name: p for p in (LowerPrecisionPass, LowerMatmulsToFloat8Pass, ScaleSeedPass, UnscaleGradsPass,
                               ClipGradNormPass, GuardUpdatesPass, UpdateScalePass)}
 
 # the pipeline and its passes; the other passes are imported from their modules. The
@@ -61,8 +64,9 @@ PASSES = {p.name: p for p in (LowerPrecisionPass, ScaleSeedPass, UnscaleGradsPas
 # applied_passes) stay importable from here without being part of the package's surface.
 __all__ = [
     "ClipGradNormPass", "DLSPass", "GraphPass", "GraphPassResult", "GuardUpdatesPass",
-    "LowerPrecisionPass", "PassContractError", "ScaleSeedPass", "SelectAttentionKernelPass",
-    "UnscaleGradsPass", "UpdateScalePass", "apply_dls", "default_passes",
+    "LowerMatmulsToFloat8Pass", "LowerPrecisionPass", "PassContractError", "ScaleSeedPass",
+    "SelectAttentionKernelPass", "UnscaleGradsPass", "UpdateScalePass", "apply_dls",
+    "default_passes",
 ]
 
 
@@ -74,6 +78,10 @@ def default_passes(config: DLSConfig | None) -> list[DLSPass]:
         if config.lowering_mode == "native":
             # after the casts: the attention kernel chosen for the 16-bit inputs (on CUDA)
             passes.append(SelectAttentionKernelPass())
+    if config is not None and config.float8 is not None:
+        # after the 16-bit lowering: the matmuls' operands are then the 16-bit values torchao's
+        # Float8Linear casts in a 16-bit model, and their outputs keep the lowered dtype
+        passes.append(LowerMatmulsToFloat8Pass(config.float8, config.lowering_mode))
     if config is not None:
         passes += [ScaleSeedPass(config), UnscaleGradsPass(config), ClipGradNormPass(config),
                    GuardUpdatesPass(config), UpdateScalePass(config)]

@@ -45,6 +45,7 @@ from dlspass.capture.aot import Rewrite, aot_backend  # noqa: F401
 from dlspass.capture.aot import compiler_config_extra as _compiler_config_extra  # noqa: F401
 from dlspass.capture.step_config import resolve_config
 from dlspass.config import ConfigError, DLSConfig
+from dlspass.passes.lower_matmuls_to_float8_pass import LowerMatmulsToFloat8Pass
 from dlspass.passes.lower_precision_pass import LowerPrecisionPass
 from dlspass.passes.scale_backward_pass import ScaleBackwardPass
 
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from dlspass.scaler import GradScaler
 
 # the DLSConfig keys the backend reads (the loss scaling is the scaler's: make_backend(scaler=))
-CONFIG_OPTIONS = ("fp16_type", "mixed_precision", "precision_mode")
+CONFIG_OPTIONS = ("fp16_type", "mixed_precision", "precision_mode", "float8")
 OPTIONS = ("config", *CONFIG_OPTIONS, "backend_compiler")
 # what compiles the rewritten graphs (``dlspass.compile`` takes the same choices)
 BACKEND_COMPILERS = ("inductor", "eager")
@@ -122,6 +123,7 @@ class DLSBackend:
         def lower_joint(g: fx.GraphModule) -> None:
             nonlocal joint_lowered
             self._lowering()(g)
+            self._float8(g)
             joint_lowered = True
 
         def fw(g: fx.GraphModule, ex: list[Any]) -> tuple[list[Any], Callable]:
@@ -138,11 +140,19 @@ class DLSBackend:
     def _lowering(self) -> LowerPrecisionPass:
         return LowerPrecisionPass(self.config.fp16_type, self.config.lowering_mode)
 
+    def _float8(self, gm: fx.GraphModule) -> None:
+        """The config's float8 recipe on ``gm``'s matmuls, after the 16-bit lowering (as in
+        ``apply_dls``); the gradients are what the ``tangents`` placeholders feed."""
+        if self.config.float8 is not None:
+            LowerMatmulsToFloat8Pass(self.config.float8, self.config.lowering_mode)(gm)
+
     def _lower(self, gm: fx.GraphModule, example_inputs: list[Any],
                lowered: bool = False) -> tuple[list[Any], Callable]:
         """``gm`` lowered (unless it comes ``lowered`` from a lowered joint graph) and kept."""
         if self.config.mixed_precision and not lowered:
             self._lowering()(gm)
+        if not lowered:
+            self._float8(gm)
         self.graphs.append(gm)
         return example_inputs, lambda compiled: compiled
 

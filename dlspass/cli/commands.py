@@ -228,6 +228,9 @@ def transform(
         help="native (default for float16 and bfloat16): real 16-bit kernels, as autocast; "
              "emulate (default for cbfloat16 and for ONNX output): round to the format in fp32 "
              "containers.")] = None,
+    float8: Annotated[str | None, typer.Option(
+        "--float8", help="Run the step's matmuls in float8 with current scaling: tensorwise "
+                         "or rowwise (torchao's recipes; .pt2 output only).")] = None,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 0.01,
     momentum: Annotated[float, typer.Option(help="SGD momentum.")] = 0.0,
@@ -282,10 +285,11 @@ def transform(
     # the flags given, merged into --config (or the defaults) by the one rule of every entry point
     flag_of = {"fp16_type": "--fp16-type", "loss_scale": "--loss-scale",
                "max_gradient_norm": "--max-gradient-norm", "mixed_precision": "--mixed-precision",
-               "precision_mode": "--precision-mode"}
+               "precision_mode": "--precision-mode", "float8": "--float8"}
     overrides: dict[str, Any] = {k: v for k, v in (
         ("fp16_type", fp16_type), ("max_gradient_norm", max_gradient_norm),
-        ("mixed_precision", mixed_precision), ("precision_mode", precision_mode)) if v is not None}
+        ("mixed_precision", mixed_precision), ("precision_mode", precision_mode),
+        ("float8", float8)) if v is not None}
     if loss_scale is not None:  # `--loss-scale none` is given, as None: scaling off
         overrides["loss_scale"] = scale
     if modelzoo_model is not None and config is None:
@@ -300,6 +304,9 @@ def transform(
         if key is None:
             raise
         raise typer.BadParameter(str(e), param_hint=flag_of[key]) from None
+    if fmt == "onnx" and cfg.float8 is not None:
+        raise typer.BadParameter("ONNX output has no float8 matmul lowering; write a .pt2",
+                                 param_hint="--float8")
     if fmt == "onnx":
         # dlspass's ONNX lowering rounds in float32 containers (LowerPrecisionOnnxPass)
         if cfg.precision_mode == "native" and cfg.mixed_precision:

@@ -1,0 +1,315 @@
+"""LowerMatmulsToFloat8Pass: every admitted mm/addmm/bmm of the step, forward and backward, in
+float8 with current scaling; checked against torchao 0.18.0's ``Float8Linear`` run from its
+installed package (the `test` extra pins it)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from stepgraph import gpt_step, node_values, trace_step
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dlspass
+from dlspass.config import ConfigError, DLSConfig
+from dlspass.float8_policy import Float8Filter
+from dlspass.graph import roles
+from dlspass.models import MHAGPT, SmallCNN, ce_loss
+from dlspass.passes import LowerMatmulsToFloat8Pass, apply_dls
+from dlspass.passes.lower_matmuls_to_float8_pass import MATMUL_OPS, float8_decisions
+
+torchao_float8 = pytest.importorskip("torchao.float8")
+from torchao.float8.float8_training_tensor import Float8TrainingTensor  # noqa: E402
+
+aten = torch.ops.aten
+RECIPES = ("tensorwise", "rowwise")
+
+
+class LinearStack(nn.Module):
+    """nn.Linear layers only (what torchao converts): bias and no bias, a 3-d input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 48)
+        self.b = nn.Linear(48, 64)
+        self.c = nn.Linear(64, 16, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+
+
+class Unreachable(nn.Module):
+    """Matmuls torchao's module swap cannot reach: nn.MultiheadAttention (fused in-projection,
+    batched attention products, its out_proj called through F.linear), F.linear, ``x @ w``."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.w = nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.v = nn.Parameter(torch.randn(16, d) / d**0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.attn(x, x, x, need_weights=True)[0]  # need_weights: bmm attention, not the fused kernel
+        return F.linear(torch.tanh(h @ self.w), self.v)
+
+
+def _mse(model: nn.Module, batch: tuple[Tensor, ...]) -> Tensor:
+    x, y = batch
+    return (model(x) - y).square().mean()
+
+
+def _sqnr(ref: Tensor, x: Tensor) -> float:
+    """torchao's ``compute_error``: 20 log10(|ref| / |ref - x|), in dB."""
+    return float(20 * torch.log10(ref.norm() / (ref - x).norm()))
+
+
+def _grads_and_loss(step, gm) -> tuple[dict[str, Tensor], Tensor]:
+    grads = roles.nodes_with_role(gm.graph, roles.GRAD)
+    (loss,) = roles.nodes_with_role(gm.graph, roles.LOSS)
+    vals = node_values(gm, step.inputs(), [*grads, loss])
+    return {roles.target_of(g): v for g, v in zip(grads, vals, strict=False)}, vals[-1]
+
+
+def _model_output(step, gm) -> Tensor:
+    """The model's output in ``gm``: what the loss subtracts the target (``batch.1``) from."""
+    (target,) = [n for n in gm.graph.find_nodes(op="placeholder") if roles.target_of(n) == "batch.1"]
+    (sub,) = [u for u in target.users if u.target is aten.sub.Tensor]
+    return node_values(gm, step.inputs(), [sub.args[0]])[0]
+
+
+def _torchao(model: nn.Module, recipe: str, batch: tuple[Tensor, ...]) -> tuple[dict[str, Tensor], Tensor, int]:
+    """torchao's emulated float8 step of ``model``: gradients, loss, and how many matmuls ran
+    on its float8 tensors (forward and backward)."""
+    base = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
+    config = torchao_float8.Float8LinearConfig(**{**base.__dict__, "emulate": True})
+    ref = torchao_float8.convert_to_float8_training(copy.deepcopy(model), config=config)
+    counter = _CountFloat8Matmuls()
+    with counter:
+        loss = _mse(ref, batch) if batch[1].is_floating_point() else _gpt_loss(ref, batch)
+        loss.backward()
+    return {k: p.grad for k, p in ref.named_parameters()}, loss.detach(), counter.n
+
+
+class _CountFloat8Matmuls(TorchDispatchMode):
+    """Counts the matmuls that read a torchao ``Float8TrainingTensor``."""
+
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in MATMUL_OPS and any(isinstance(a, Float8TrainingTensor) for a in args):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _linear_step(seed: int = 0, tokens: tuple[int, ...] = (10,)):
+    torch.manual_seed(seed)
+    return trace_step(LinearStack(), _mse, (torch.randn(*tokens, 32), torch.randn(*tokens, 16)))
+
+
+def _f8(recipe: str, mode: str, **kw: object) -> DLSConfig:
+    """A float32 step (no 16-bit lowering, no loss scaling) whose matmuls run in float8."""
+    return DLSConfig(loss_scale=None, mixed_precision=False, float8=recipe, precision_mode=mode, **kw)
+
+
+# ---- torchao oracle: nn.Linear layers -----------------------------------------------------------
+
+@pytest.mark.parametrize("tokens", [(10,), (2, 5)], ids=["2d", "3d"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_emulated_step_is_torchao_float8_linear_bit_for_bit(recipe: str, tokens: tuple[int, ...]) -> None:
+    step = _linear_step(tokens=tokens)
+    gm = apply_dls(step.gm, _f8(recipe, "emulate"))
+    grads, loss = _grads_and_loss(step, gm)
+    ref_grads, ref_loss, n_torchao = _torchao(step.model, recipe, tuple(step.batch))
+    # bit equality: both run the same ATen ops (amax, float64 scale, saturated cast,
+    # dequantize, float32 mm, bias added after) in the same order on the same values
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for k, g in ref_grads.items():
+        if k.endswith("bias") and len(tokens) > 1:
+            # not a matmul: the captured graph sums the bias gradient over the flattened
+            # tokens, torchao's autograd over (batch, seq) -- torch's reduction order differs
+            # (the plain float32 step differs from eager the same way); float32 summation
+            # of n terms is within n ulps of the larger partial sums
+            tol = len(tokens) * torch.finfo(torch.float32).eps * step.batch[0].shape[:-1].numel()
+            torch.testing.assert_close(grads[k], g, rtol=tol, atol=tol * float(g.abs().max()))
+        else:
+            assert torch.equal(grads[k], g), k
+    # ... and it is float8: the float32 step differs
+    _, plain_loss = _grads_and_loss(step, _linear_step(tokens=tokens).gm)
+    assert not torch.equal(plain_loss, loss)
+    converted = [d for d in float8_decisions(gm.graph).values() if d["float8"] == recipe]
+    # 3 layers x (output, grad input, grad weight) less the input gradient of the first layer,
+    # which the captured step never computes; torchao's autograd.Function computes it unread
+    assert len(converted) == 8 and n_torchao == 9
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_native_scaled_mm_agrees_with_emulation_to_float32_rounding(recipe: str) -> None:
+    step = _linear_step(1)
+    emu, emu_loss = _grads_and_loss(step, apply_dls(_linear_step(1).gm, _f8(recipe, "emulate")))
+    gm = apply_dls(step.gm, _f8(recipe, "native"))
+    assert sum(n.target is aten._scaled_mm.default for n in gm.graph.nodes) == 8
+    nat, nat_loss = _grads_and_loss(step, gm)
+    assert _sqnr(emu_loss, nat_loss) >= 100
+    for k in emu:
+        assert _sqnr(emu[k], nat[k]) >= 100, k
+
+
+def test_operand_formats_and_scaling_axes_follow_torchao() -> None:
+    """tensorwise: e4m3 for activations and weights, e5m2 for the gradient, 0-d scales;
+    rowwise: e4m3 throughout, scales along the contraction, powers of two."""
+    for recipe in RECIPES:
+        gm = apply_dls(_linear_step().gm, _f8(recipe, "native"))
+        for mm in (n for n in gm.graph.nodes if n.target is aten._scaled_mm.default):
+            a, b = mm.args[0], mm.args[1]
+            grad_side = roles.descendants(roles.nodes_with_role(gm.graph, roles.SEED))
+            fa, fb = a.meta["val"].dtype, b.meta["val"].dtype
+            sa, sb = mm.args[2].meta["val"].shape, mm.args[3].meta["val"].shape
+            if recipe == "tensorwise":
+                assert sa == sb == torch.Size([])
+                assert {fa, fb} <= {torch.float8_e4m3fn, torch.float8_e5m2}
+                assert (a in grad_side) == (fa == torch.float8_e5m2)
+            else:
+                assert fa == fb == torch.float8_e4m3fn
+                assert sa == (a.meta["val"].shape[0], 1) and sb == (1, b.meta["val"].shape[1])
+        exp2 = [n for n in gm.graph.nodes if n.target is aten.exp2.default]
+        assert bool(exp2) == (recipe == "rowwise")
+
+
+# ---- matmuls torchao cannot reach ---------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("mode", ["native", "emulate"])
+def test_unreachable_matmuls_convert_within_torchao_sqnr_bars(recipe: str, mode: str) -> None:
+    torch.manual_seed(0)
+    batch = (torch.randn(2, 8, 32), torch.randn(2, 8, 16))
+    step = trace_step(Unreachable(), _mse, batch)
+    ref_out = _model_output(step, step.gm)
+    ref_grads, _ = _grads_and_loss(step, step.gm)
+    step8 = trace_step(step.model, _mse, batch)
+    gm = apply_dls(step8.gm, _f8(recipe, mode))
+    decisions = float8_decisions(gm.graph)
+    ops = {d["op"] for d in decisions.values() if d["float8"]}
+    assert {"mm.default", "addmm.default", "bmm.default"} <= ops
+    assert all(d["float8"] for d in decisions.values())
+    _, _, n_torchao = _torchao(step.model, recipe, batch)
+    assert n_torchao == 0 < len(decisions)
+    # torchao's own test bars (test/float8/test_base.py): outputs >= 18 dB, weight grads >= 17 dB
+    assert _sqnr(ref_out, _model_output(step8, gm)) >= 18
+    grads, _ = _grads_and_loss(step8, gm)
+    for k, g in ref_grads.items():
+        if g.dim() == 2:
+            assert _sqnr(g, grads[k]) >= 17, k
+
+
+def test_bmm_attention_of_a_gpt_converts_forward_and_backward() -> None:
+    step = gpt_step(n_layer=1, d=16)
+    n_mm = sum(n.target in MATMUL_OPS for n in step.gm.graph.nodes)
+    gm = apply_dls(step.gm, _f8("tensorwise", "native"))
+    decisions = float8_decisions(gm.graph)
+    assert sum(d["float8"] is not None for d in decisions.values()) == n_mm
+    assert sum(d["op"] == "bmm.default" for d in decisions.values()) >= 6  # 2 forward, 4 backward
+    assert not any(n.target in MATMUL_OPS for n in gm.graph.nodes if roles.pass_of(n) != LowerMatmulsToFloat8Pass.name)
+
+
+# ---- counts: torchao vs dlspass on a GPT built on nn.MultiheadAttention -----------------------
+
+def _gpt_loss(model: nn.Module, batch: tuple[Tensor, ...]) -> Tensor:
+    return F.cross_entropy(model(batch[0]).reshape(-1, 32), batch[1].reshape(-1))
+
+
+def test_every_matmul_of_an_mha_gpt_converts_where_torchao_reaches_15_of_27() -> None:
+    torch.manual_seed(0)
+    model = MHAGPT(vocab=32, d=32, n_layer=2, n_head=2, block_size=8)
+    ids = torch.randint(0, 32, (2, 9))
+    batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    _, _, n_torchao = _torchao(model, "tensorwise", batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = dlspass.capture_step(model, _gpt_loss, opt, batch,
+                                config=DLSConfig(fp16_type="bfloat16", float8="tensorwise"))
+    decisions = float8_decisions(step.graph_module.graph)
+    matmuls = {k: d for k, d in decisions.items() if d["op"] in ("mm.default", "addmm.default", "bmm.default")}
+    assert n_torchao == 15
+    assert len(matmuls) == 27 and all(d["float8"] == "tensorwise" for d in matmuls.values())
+    assert {d["module"] for d in matmuls.values()} >= {"blocks.0.attn", "blocks.1.attn.out_proj", "head"}
+    # the fused attention kernels stay in bfloat16, each with its reason
+    fused = [d for d in decisions.values() if d["op"] not in matmuls and d["float8"] is None]
+    assert fused and all("no float8 form" in d["why"] for d in fused)
+    losses = [float(step(batch)) for _ in range(4)]
+    assert losses[-1] < losses[0]
+
+
+# ---- filter and decisions -----------------------------------------------------------------------
+
+def test_filter_skips_by_module_size_and_alignment_and_says_why() -> None:
+    gm = _linear_step().gm
+    LowerMatmulsToFloat8Pass("tensorwise", "emulate", Float8Filter(skip_modules=("b",), multiple_of=16))(gm)
+    d = float8_decisions(gm.graph)
+    by: dict[str, list[dict]] = {}
+    for v in d.values():
+        by.setdefault(v["module"], []).append(v)
+    assert set(by) == {"a", "b", "c"}
+    assert all(v["float8"] is None and "skip_modules" in v["why"] for v in by["b"])
+    for v in by["a"] + by["c"]:
+        # the weight gradients contract over the 10 tokens of the batch: not a multiple of 16
+        if v["mkn"][1] == 10:
+            assert v["float8"] is None and "multiples of 16" in v["why"]
+        else:
+            assert v["float8"] == "tensorwise" and v["why"] is None
+    assert sum(v["float8"] is not None for v in d.values()) == 3  # a, c outputs; c grad input
+    # the skipped matmuls are still there, unchanged
+    skipped = [n for n in gm.graph.nodes if n.target in MATMUL_OPS and roles.pass_of(n) != "lower_matmuls_to_float8"]
+    assert len(skipped) == sum(v["float8"] is None for v in d.values())
+    gm = _linear_step().gm
+    LowerMatmulsToFloat8Pass("tensorwise", "emulate", Float8Filter(min_size="auto"))(gm)
+    assert all(v["float8"] is None and "thresholds" in v["why"] for v in float8_decisions(gm.graph).values())
+
+
+def test_convolutions_stay_with_a_reason() -> None:
+    torch.manual_seed(0)
+    step = trace_step(SmallCNN(in_ch=1, n_classes=3, width=2), ce_loss,
+                      (torch.randn(2, 1, 4, 4), torch.tensor([0, 2])))
+    gm = apply_dls(step.gm, _f8("tensorwise", "native"))
+    d = float8_decisions(gm.graph)
+    conv = [v for v in d.values() if v["op"].startswith("convolution")]
+    assert conv and all(v["float8"] is None for v in conv)
+
+
+def test_bad_recipe_and_filter_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="float8"):
+        DLSConfig(float8="blockwise")
+    with pytest.raises(ConfigError, match="float8"):
+        LowerMatmulsToFloat8Pass("e4m3")
+    with pytest.raises(ConfigError, match="min_size"):
+        Float8Filter(min_size="big")
+    cfg = DLSConfig(float8="rowwise")
+    assert roles.config_from_record(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+# ---- DLS composes: float16 loss scaling with float8 matmuls -----------------------------------
+
+def test_float16_dls_with_float8_matmuls_still_skips_an_overflow() -> None:
+    torch.manual_seed(0)
+    model = MHAGPT(vocab=32, d=32, n_layer=1, n_head=2, block_size=8)
+    ids = torch.randint(0, 32, (2, 9))
+
+    def loss_fn(m: nn.Module, b: tuple[Tensor, ...]) -> Tensor:
+        return _gpt_loss(m, b) * b[2]
+
+    batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), torch.tensor(1.0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = dlspass.capture_step(model, loss_fn, opt, batch,
+                                config=DLSConfig(fp16_type="float16", float8="tensorwise"))
+    assert any(d["float8"] for d in float8_decisions(step.graph_module.graph).values())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scale = float(step.scaler.get_scale())
+    step((*batch[:2], torch.tensor(float("inf"))))
+    assert step.scaler.get_num_skipped_steps() == 1 and float(step.scaler.get_scale()) < scale
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    step(batch)
+    assert step.scaler.get_num_skipped_steps() == 1
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
