@@ -67,6 +67,12 @@ REPORT_SCHEMA: dict[str, Any] = {
         "inserted_by_pass": _COUNTS,
         "skipped_passes": {"type": "object", "additionalProperties": {"type": "string"}},
         "casts": _COUNTS,
+        # {matmul: {"float8": recipe or null, "why": reason or null, "op", "module"}}, as
+        # LowerMatmulsToFloat8Pass recorded it; absent where it did not run. Optional.
+        "float8": {"type": "object", "additionalProperties": {
+            "type": "object", "required": ["float8", "why", "op", "module"],
+            "properties": {"float8": {"type": ["string", "null"]}, "why": {"type": ["string", "null"]},
+                           "op": {"type": "string"}, "module": {"type": "string"}}}},
         "scaled_region": {
             "type": "object", "required": ["size", "seed", "unscale"],
             "properties": {"size": {"type": "integer", "minimum": 0},
@@ -143,7 +149,7 @@ def _summarize_fx(gm: Any) -> dict[str, Any]:
             role_rows.append({"node": node.name, "role": role, "target": target, "pass": by})
         edges += [[inp.name, node.name] for inp in node.all_input_nodes]
     return {"nodes": nodes, "edges": edges, "roles": role_rows, "inserted": dict(inserted),
-            "skipped": _skipped(graph), "casts": dict(casts), "hist": dict(hist),
+            "skipped": _skipped(graph), "float8": _float8(graph), "casts": dict(casts), "hist": dict(hist),
             "region": _scaled_region(nodes, edges)}
 
 
@@ -165,6 +171,30 @@ def _skipped(graph: Any) -> dict[str, str]:
         return {}
     return {one_line(k, _REASON_CHARS): one_line(v, _REASON_CHARS)
             for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _float8(graph: Any) -> dict[str, dict[str, Any]]:
+    """Per matmul, whether the float8 pass converted it and why not, as it recorded it (on the
+    seed node in a .pt2 file); read as defensively as `_skipped`: only well-formed entries."""
+    from dlspass.passes.lower_matmuls_to_float8_pass import FLOAT8_KEY
+
+    raw = roles.recorded(graph, FLOAT8_KEY)
+    try:
+        data = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        return {}
+    out = {}
+    for name, d in data.items():
+        if not (isinstance(name, str) and isinstance(d, dict)):
+            continue
+        fields = {k: d.get(k) for k in ("float8", "why", "op", "module")}
+        if all(isinstance(fields[k], str) for k in ("op", "module")) and all(
+                fields[k] is None or isinstance(fields[k], str) for k in ("float8", "why")):
+            out[one_line(name, _REASON_CHARS)] = {k: v if v is None else one_line(v, _REASON_CHARS)
+                                                  for k, v in fields.items()}
+    return out
 
 
 def _scaled_region(nodes: list[dict], edges: list[list[str]]) -> dict[str, Any]:
@@ -250,6 +280,7 @@ def _report(s: dict[str, Any], file: str) -> dict[str, Any]:
         "node_count": sum(1 for n in s["nodes"] if n["op"] in ("call_function", "node")),
         "op_histogram": dict(sorted(s["hist"].items())),
         "inserted_by_pass": s["inserted"], "skipped_passes": s["skipped"], "casts": s["casts"],
+        **({"float8": s["float8"]} if s.get("float8") else {}),
         "scaled_region": s["region"],
         "roles": s["roles"], "graph": {"nodes": s["nodes"], "edges": s["edges"]},
     }
@@ -293,6 +324,7 @@ def render_text(r: dict[str, Any]) -> str:
     lines.append("inserted by pass: " + (", ".join(f"{k} {v}" for k, v in r["inserted_by_pass"].items()) or "none"))
     lines += [f"skipped: {k} ({v})" for k, v in sorted(r["skipped_passes"].items())]
     lines.append("casts: " + (", ".join(f"{k} {v}" for k, v in sorted(r["casts"].items())) or "none"))
+    lines += _float8_text(r.get("float8") or {})
     reg = r["scaled_region"]
     lines.append(f"scaled region: {reg['size']} nodes from {reg['seed']} to {len(reg['unscale'])} unscale nodes")
     counts = Counter(row["role"] for row in r["roles"])
@@ -304,6 +336,18 @@ def render_text(r: dict[str, Any]) -> str:
         lines += [f"  - {k} x{v}" for k, v in d["removed_ops"].items()]
     # names come from the file: an ESC in one must not reach the terminal
     return "\n".join(printable(line) for line in lines)
+
+
+def _float8_text(f8: dict[str, dict[str, Any]]) -> list[str]:
+    """One line with the float8 count per recipe, one per matmul left in its own precision."""
+    if not f8:
+        return []
+    done = Counter(d["float8"] for d in f8.values() if d["float8"])
+    lines = [f"float8: {sum(done.values())} of {len(f8)} matmuls converted ("
+             + (", ".join(f"{k} {v}" for k, v in sorted(done.items())) or "none") + ")"]
+    lines += [f"  not float8: {name} ({d['op']}{', ' + d['module'] if d['module'] else ''}): {d['why']}"
+              for name, d in sorted(f8.items()) if not d["float8"]]
+    return lines
 
 
 def _tied_text(tied: dict[str, str] | None) -> str:

@@ -1,0 +1,170 @@
+"""The float8 recipes through every entry point: ``dlspass.compile``, ``backend="dlspass"``,
+``make_backend`` and the CLI (``capture_step`` and the torchao oracle are in
+tests/passes/test_lower_matmuls_to_float8_pass.py), and ``dlspass inspect``'s float8 report."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import cli_factories as cf
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import dlspass
+from dlspass.capture.pt2_io import load_program
+from dlspass.models import MHAGPT
+from dlspass.passes.lower_matmuls_to_float8_pass import float8_decisions
+
+aten = torch.ops.aten
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+STEPS = 4
+
+
+def _setup() -> tuple[MHAGPT, tuple[Tensor, Tensor]]:
+    torch.manual_seed(0)
+    model = MHAGPT(vocab=32, d=32, n_layer=1, n_head=2, block_size=8)
+    ids = torch.randint(0, 32, (2, 9))
+    return model, (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+
+
+def _loss(model: nn.Module, idx: Tensor, targets: Tensor, mult: Tensor | None = None) -> Tensor:
+    loss = F.cross_entropy(model(idx).reshape(-1, 32), targets.reshape(-1))
+    return loss if mult is None else loss * mult
+
+
+def _float8_casts(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default
+               and n.args[1] in FLOAT8)
+
+
+def _close_to_float32(losses: list[float], ref: list[float]) -> None:
+    # float8 operands carry 3 (e4m3) or 2 (e5m2) mantissa bits, relative rounding up to 2**-3;
+    # averaged over a matmul's sums, the loss of a few steps stays well inside it
+    assert losses == pytest.approx(ref, rel=2**-3)
+    assert losses[-1] < losses[0]
+
+
+def _compiled(config: dlspass.DLSConfig) -> tuple[list[float], list[torch.fx.GraphModule]]:
+    model, (idx, tgt) = _setup()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train_step(a: Tensor, b: Tensor) -> Tensor:
+        loss = _loss(model, a, b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = dlspass.compile(train_step, optimizer=opt, config=config, backend_compiler="eager")
+    return [float(step(idx, tgt)) for _ in range(STEPS)], step.graphs
+
+
+@pytest.mark.parametrize("mode", ["native", "emulate"])
+def test_compile_converts_every_matmul_of_the_step(mode: str) -> None:
+    ref, _ = _compiled(dlspass.DLSConfig(loss_scale=None, mixed_precision=False))
+    losses, graphs = _compiled(dlspass.DLSConfig(fp16_type="bfloat16", float8="tensorwise", precision_mode=mode))
+    decisions = float8_decisions(graphs[-1].graph)
+    matmuls = [d for d in decisions.values() if d["op"] in ("mm.default", "addmm.default", "bmm.default")]
+    assert len(matmuls) == 15 and all(d["float8"] == "tensorwise" for d in matmuls)
+    scaled = sum(n.target is aten._scaled_mm.default for n in graphs[-1].graph.nodes)
+    assert scaled == (15 if mode == "native" else 0)
+    _close_to_float32(losses, ref)
+
+
+class _Loss(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *batch: Tensor) -> Tensor:
+        return _loss(self.model, *batch)
+
+
+@pytest.mark.parametrize("make", [False, True], ids=["backend", "make_backend"])
+@pytest.mark.parametrize("mode", ["native", "emulate"])
+def test_torch_compile_backends_run_float8_matmuls_and_keep_the_overflow_check(mode: str, make: bool) -> None:
+    from dlspass.capture import dynamo_backend
+
+    model0, (idx, tgt) = _setup()
+    results = {}
+    for float8 in (None, "rowwise"):
+        model = copy.deepcopy(model0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = dlspass.DLSConfig(fp16_type="float16", float8=float8, precision_mode=mode)
+        scaler = dlspass.GradScaler(config=config)
+        torch._dynamo.reset()
+        made: list[dynamo_backend.DLSBackend] = []
+        if make:
+            backend = dlspass.make_backend(scaler=scaler, backend_compiler="eager")
+            made.append(backend)
+            cmodel = torch.compile(_Loss(model), backend=backend)
+        else:
+            class Recording(dynamo_backend.DLSBackend):
+                def __init__(self, *args: object, **kwargs: object) -> None:
+                    super().__init__(*args, **kwargs)
+                    made.append(self)
+
+            cmodel = torch.compile(_Loss(model), backend="dlspass",
+                                   options={"config": config, "backend_compiler": "eager"})
+        losses = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dynamo_backend, "DLSBackend", Recording if not make else dynamo_backend.DLSBackend)
+            for i in range(STEPS):
+                mult = torch.tensor(float("inf") if i == 1 else 1.0)  # step 1 overflows
+                loss = cmodel(idx, tgt, mult)
+                (loss if make else scaler.scale(loss)).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                losses.append(float(loss))
+        results[float8] = losses, int(scaler.get_num_skipped_steps()), made[-1].graphs
+    (ref, ref_skipped, _), (losses, skipped, graphs) = results[None], results["rowwise"]
+    assert skipped == ref_skipped == 1  # the overflow check still sees every gradient
+    casts = sum(_float8_casts(g) for g in graphs)
+    # 15 matmuls, 2 operands each; a cast is shared where the same tensor is read on the same axis
+    assert 15 <= casts <= 30
+    scaled = sum(n.target is aten._scaled_mm.default for g in graphs for n in g.graph.nodes)
+    assert scaled == (15 if mode == "native" else 0)
+    finite = [i for i in range(STEPS) if i != 1]
+    _close_to_float32([losses[i] for i in finite], [ref[i] for i in finite])
+
+
+# ---- CLI: transform --float8 and inspect ---------------------------------------------------------
+
+_FLAGS = ("--optimizer", "sgd", "--lr", "0.05", "--fp16-type", "bfloat16")
+
+
+def test_cli_transform_float8_step_trains_and_inspect_lists_every_matmul(capsys: pytest.CaptureFixture) -> None:
+    plain = cf.step_file("gpt", ".pt2", *_FLAGS)
+    f8 = cf.step_file("gpt", ".pt2", *_FLAGS, "--float8", "tensorwise")
+    ep, meta = load_program(f8)
+    assert meta["config"]["float8"] == "tensorwise"  # recorded like every other config field
+    assert sum(n.target is aten._scaled_mm.default for n in ep.graph.nodes) > 0
+    data = cf.batches("gpt", 5)
+    got, ref = cf.train_pt2(f8, data), cf.train_pt2(plain, data)
+    finite = [i for i in range(5) if i != cf.OVERFLOW_STEP]
+    assert [got["losses"][i] for i in finite] == pytest.approx([ref["losses"][i] for i in finite], rel=2**-3)
+    capsys.readouterr()
+    assert cf.cli("inspect", f8, "--format", "json") == 0
+    report = json.loads(capsys.readouterr().out)
+    f8_report = report["float8"]
+    matmuls = [d for d in f8_report.values() if d["op"] in ("mm.default", "addmm.default", "bmm.default")]
+    assert matmuls and all(d["float8"] == "tensorwise" for d in matmuls)
+    assert cf.cli("inspect", f8) == 0
+    text = capsys.readouterr().out
+    assert f"float8: {len(matmuls)} of {len(f8_report)} matmuls converted (tensorwise {len(matmuls)})" in text
+
+
+@pytest.mark.parametrize(("out", "value", "says"), [
+    ("x.onnx", "tensorwise", "ONNX output has no float8"),
+    ("x.pt2", "blockwise", "unknown float8 recipe"),
+])
+def test_cli_refuses_float8_it_cannot_write_in_one_line(tmp_path, capsys, out: str, value: str, says: str) -> None:
+    capsys.readouterr()
+    path = tmp_path / out
+    assert cf.cli("transform", cf.joint_file("gpt"), "-o", path, "--float8", value) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "--float8" in err and not path.exists()
