@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dlspass
+from dlspass.capture import dynamo_backend
 from dlspass.capture.pt2_io import load_program
 from dlspass.models import MHAGPT
 from dlspass.passes.lower_matmuls_to_float8_pass import float8_decisions
@@ -83,11 +84,19 @@ class _Loss(nn.Module):
         return _loss(self.model, *batch)
 
 
+class _Recording(dynamo_backend.DLSBackend):
+    """The backend ``backend="dlspass"`` builds, kept (in ``made``) to read its graphs."""
+
+    made: list[dynamo_backend.DLSBackend] = []
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        _Recording.made.append(self)
+
+
 @pytest.mark.parametrize("make", [False, True], ids=["backend", "make_backend"])
 @pytest.mark.parametrize("mode", ["native", "emulate"])
 def test_torch_compile_backends_run_float8_matmuls_and_keep_the_overflow_check(mode: str, make: bool) -> None:
-    from dlspass.capture import dynamo_backend
-
     model0, (idx, tgt) = _setup()
     results = {}
     for float8 in (None, "rowwise"):
@@ -96,22 +105,18 @@ def test_torch_compile_backends_run_float8_matmuls_and_keep_the_overflow_check(m
         config = dlspass.DLSConfig(fp16_type="float16", float8=float8, precision_mode=mode)
         scaler = dlspass.GradScaler(config=config)
         torch._dynamo.reset()
-        made: list[dynamo_backend.DLSBackend] = []
+        _Recording.made.clear()
         if make:
             backend = dlspass.make_backend(scaler=scaler, backend_compiler="eager")
-            made.append(backend)
+            _Recording.made.append(backend)
             cmodel = torch.compile(_Loss(model), backend=backend)
         else:
-            class Recording(dynamo_backend.DLSBackend):
-                def __init__(self, *args: object, **kwargs: object) -> None:
-                    super().__init__(*args, **kwargs)
-                    made.append(self)
-
             cmodel = torch.compile(_Loss(model), backend="dlspass",
                                    options={"config": config, "backend_compiler": "eager"})
         losses = []
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(dynamo_backend, "DLSBackend", Recording if not make else dynamo_backend.DLSBackend)
+            if not make:  # keep what backend="dlspass" builds, to read its graphs
+                mp.setattr(dynamo_backend, "DLSBackend", _Recording)
             for i in range(STEPS):
                 mult = torch.tensor(float("inf") if i == 1 else 1.0)  # step 1 overflows
                 loss = cmodel(idx, tgt, mult)
@@ -120,7 +125,7 @@ def test_torch_compile_backends_run_float8_matmuls_and_keep_the_overflow_check(m
                 scaler.update()
                 opt.zero_grad()
                 losses.append(float(loss))
-        results[float8] = losses, int(scaler.get_num_skipped_steps()), made[-1].graphs
+        results[float8] = losses, int(scaler.get_num_skipped_steps()), _Recording.made[-1].graphs
     (ref, ref_skipped, _), (losses, skipped, graphs) = results[None], results["rowwise"]
     assert skipped == ref_skipped == 1  # the overflow check still sees every gradient
     casts = sum(_float8_casts(g) for g in graphs)
