@@ -38,6 +38,29 @@ import harness  # noqa: E402
 import known  # noqa: E402
 
 DOC = ROOT / "docs" / "COMPATIBILITY.md"
+FLOAT8_COUNTS = ROOT / "tools" / "bench" / "results" / "float8_counts.md"
+FLOAT8_INTRO = """
+## float8
+
+Matmuls of one training step (forward and backward: `mm`, `addmm`, `bmm`) that run in float8 with
+`float8="tensorwise"` (dlspass, counted in the `capture_step` graph) and with torchao 0.18.0's
+`convert_to_float8_training` (the matmuls that read its float8 tensors, `emulate=True`), from
+`tools/bench/bench_float8.py --counts` (below: its command and machine). Every entry point runs
+the recipes (`capture_step`, `dlspass.compile`, `backend="dlspass"`, `make_backend` and
+`dlspass transform --float8` to a .pt2; ONNX output refuses float8 in one line), checked on the
+GPT on `nn.MultiheadAttention` by `tests/test_float8_entry_points.py` and
+`tests/passes/test_lower_matmuls_to_float8_pass.py`; the matrix's training cells are not run in
+float8. The rest of each model's matmul-like ops (fused attention kernels, convolutions) stays in
+the step's precision, with its reason in `dlspass inspect`.
+
+"""
+
+
+def float8_section() -> str:
+    """The float8 section, from bench_float8.py's counts where that file exists."""
+    if not FLOAT8_COUNTS.exists():
+        return ""
+    return FLOAT8_INTRO + FLOAT8_COUNTS.read_text()
 RESULTS = ROOT / "tools" / "compat" / "results.jsonl"
 MARK = "@@cell@@ "
 # cheapest first: compile cost grows with the model and the entry point's graphs
@@ -309,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = analyze_vs_training.load(analyze_vs_training.RESULTS)
     if rows:
         text = analyze_vs_training.splice(text, analyze_vs_training.section(rows))
-    DOC.write_text(text)
+    DOC.write_text(text + float8_section())
     print(f"wrote {DOC}", file=sys.stderr)
     return 0
 
