@@ -162,15 +162,19 @@ def _skipped(graph: Any) -> dict[str, str]:
     The record comes from the file: only a JSON object of strings is read, each reason cut to
     one short line, and anything else is ignored, so a hand-edited graph cannot stop the report.
     """
-    raw = roles.recorded(graph, roles.SKIPPED_KEY)
+    data = _recorded_object(graph, roles.SKIPPED_KEY)
+    return {one_line(k, _REASON_CHARS): one_line(v, _REASON_CHARS)
+            for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _recorded_object(graph: Any, key: str) -> dict:
+    """The JSON object recorded under ``key`` on ``graph``; ``{}`` when absent or malformed."""
+    raw = roles.recorded(graph, key)
     try:
         data = json.loads(raw) if isinstance(raw, str) else None
     except ValueError:
         data = None
-    if not isinstance(data, dict):
-        return {}
-    return {one_line(k, _REASON_CHARS): one_line(v, _REASON_CHARS)
-            for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+    return data if isinstance(data, dict) else {}
 
 
 def _float8(graph: Any) -> dict[str, dict[str, Any]]:
@@ -178,15 +182,8 @@ def _float8(graph: Any) -> dict[str, dict[str, Any]]:
     seed node in a .pt2 file); read as defensively as `_skipped`: only well-formed entries."""
     from dlspass.passes.lower_matmuls_to_float8_pass import FLOAT8_KEY
 
-    raw = roles.recorded(graph, FLOAT8_KEY)
-    try:
-        data = json.loads(raw) if isinstance(raw, str) else None
-    except ValueError:
-        data = None
-    if not isinstance(data, dict):
-        return {}
     out = {}
-    for name, d in data.items():
+    for name, d in _recorded_object(graph, FLOAT8_KEY).items():
         if not (isinstance(name, str) and isinstance(d, dict)):
             continue
         fields = {k: d.get(k) for k in ("float8", "why", "op", "module")}

@@ -34,3 +34,18 @@ def torch_best_practice_step(model: nn.Module, loss_of: Callable[..., Tensor],
         return loss.detach()
 
     return step
+
+
+def whole_step(model: nn.Module, loss_of: Callable[..., Tensor],
+               optimizer: torch.optim.Optimizer) -> Callable[..., Tensor]:
+    """``train_step(*batch)``: forward, backward, ``optimizer.step()`` and ``zero_grad()``, as a
+    user writes the step ``dlspass.compile`` compiles whole; returns the detached loss."""
+
+    def train_step(*batch: Tensor) -> Tensor:
+        loss = loss_of(model, *batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return train_step

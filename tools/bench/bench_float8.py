@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "models"), str(HERE)]
 import zoo  # noqa: E402  (the matrix's own model factories)
-from baselines import torch_best_practice_step  # noqa: E402
+from baselines import torch_best_practice_step, whole_step  # noqa: E402
 
 MATRIX = ("gpt2", "bert", "t5", "vit", "resnet", "convnext", "mhagpt")
 
@@ -130,15 +130,7 @@ def _gpt(args: argparse.Namespace) -> tuple[nn.Module, Callable[..., Tensor], tu
 
 def _dlspass(model: nn.Module, loss_of: Callable[..., Tensor], float8: str | None) -> Callable[..., Tensor]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def train_step(*batch: Tensor) -> Tensor:
-        loss = loss_of(model, *batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return dlspass.compile(train_step, optimizer=opt,
+    return dlspass.compile(whole_step(model, loss_of, opt), optimizer=opt,
                            config=dlspass.DLSConfig(fp16_type="bfloat16", float8=float8))
 
 

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from baselines import torch_best_practice_step  # this folder: the script's sys.path[0]
+from baselines import torch_best_practice_step, whole_step  # this folder: the script's sys.path[0]
 from torch import Tensor, nn
 
 import dlspass
@@ -144,15 +144,7 @@ def _dlspass_step(model: nn.Module, loss_of: Callable[..., Tensor], fmt: str, de
     default precision mode (native for float16 and bfloat16, emulate for cbfloat16)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = dlspass.GradScaler(config=dlspass.DLSConfig(fp16_type=fmt), device=device)
-
-    def train_step(*batch: Tensor) -> Tensor:
-        loss = loss_of(model, *batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return dlspass.compile(train_step, optimizer=opt, scaler=scaler, precision_mode=mode)
+    return dlspass.compile(whole_step(model, loss_of, opt), optimizer=opt, scaler=scaler, precision_mode=mode)
 
 
 def build(model_name: str, variant: str, device: str, size: str) -> tuple[Callable[..., Tensor], Batch]:
