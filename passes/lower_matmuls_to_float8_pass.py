@@ -203,10 +203,19 @@ class LowerMatmulsToFloat8Pass(DLSPass):
         inv_b = op(aten.reciprocal.default, qb.scale)
 
         def one(a: fx.Node, b: fx.Node, sa: fx.Node, sb: fx.Node) -> fx.Node:
+            (m, k), n = a.meta["val"].shape, b.meta["val"].shape[1]
             if not a.meta["val"].is_contiguous():
                 a = op(aten.clone.default, a, memory_format=torch.contiguous_format)
-            b_cols = op(aten.t.default, op(aten.clone.default, op(aten.t.default, b),
-                                           memory_format=torch.contiguous_format))
+            b_t = b
+            if not b.meta["val"].t().is_contiguous():
+                b_t = op(aten.clone.default, op(aten.t.default, b), memory_format=torch.contiguous_format)
+            else:
+                b_t = op(aten.t.default, b)
+            # as_strided pins the layouts: inductor may lay out a flexible buffer (a clone, a
+            # cast) as it likes and then refuses a row-major second operand; as_strided makes
+            # it keep the buffer contiguous and read it through these strides (eager: a view)
+            a = op(aten.as_strided.default, a, [m, k], [k, 1])
+            b_cols = op(aten.as_strided.default, b_t, [k, n], [1, k])
             return op(aten._scaled_mm.default, a, b_cols, sa, sb, None, None, out_dtype)
 
         if not batched:
