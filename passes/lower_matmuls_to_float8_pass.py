@@ -49,7 +49,9 @@ class LowerMatmulsToFloat8Pass(DLSPass):
     """Cast both operands of every matmul the filter admits to float8 with a scale from their
     current amax (``dlspass.float8_policy``: torchao's recipes), and multiply them in float8.
 
-    ``native`` runs ``torch._scaled_mm`` on the float8 tensors (``bmm``: one per batch entry);
+    ``native`` runs ``torch._scaled_mm`` on the float8 tensors (``bmm``: one per batch entry,
+    so a graph grows with batch x heads), the first operand row-major and the second
+    column-major, pinned with ``as_strided`` so that inductor keeps those layouts;
     ``emulate`` runs torchao's emulation: dequantize (``data.float() / scale``) and a float32
     matmul, so a step of ``nn.Linear`` layers matches torchao's ``Float8Linear(emulate=True)``
     bit for bit. The output is the matmul's own dtype (the step's 16-bit dtype after the
