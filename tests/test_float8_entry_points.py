@@ -188,3 +188,21 @@ def test_capture_step_compiled_by_inductor_trains_like_the_eager_graph() -> None
     # the same float8 casts and kernels; inductor only fuses the float32 and bfloat16 elementwise
     # work around them (measured: 1e-7 relative), far inside a bfloat16 ulp (2**-8)
     assert results[1] == pytest.approx(results[0], rel=2**-8)
+
+
+def test_telemetry_still_counts_every_gradient_of_a_float8_step() -> None:
+    """The telemetry (after DLS) watches the gradients the float8 matmuls produce; it changes
+    no value the step computes."""
+    losses, reads = [], []
+    for telemetry in (False, True):
+        model, batch = _setup()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = dlspass.capture_step(model, lambda m, b: _loss(m, *b), opt, batch, config=dlspass.DLSConfig(
+            fp16_type="float16", float8="tensorwise", telemetry=telemetry))
+        losses.append([float(step(batch)) for _ in range(2)])
+        if telemetry:
+            reads.append(step.telemetry.read())
+    assert losses[0] == losses[1]  # bit for bit: the counts only read
+    grads = {k for k in reads[0] if k.startswith("grad:")}
+    assert grads == {f"grad:{k}" for k, _ in _setup()[0].named_parameters()}
+    assert all(reads[0][k]["amax"] > 0 for k in grads)
