@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from stepgraph import gpt_step, node_values, trace_step
+from stepgraph import gpt_step, node_values, reference_step, run, trace_step
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -313,3 +313,21 @@ def test_float16_dls_with_float8_matmuls_still_skips_an_overflow() -> None:
     step(batch)
     assert step.scaler.get_num_skipped_steps() == 1
     assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(("fmt", "mode"), [("float16", "native"), ("cbfloat16", "emulate")])
+def test_a_dynamically_scaled_16_bit_step_converts_its_matmuls_too(fmt: str, mode: str) -> None:
+    config = DLSConfig(fp16_type=fmt, precision_mode=mode, float8="rowwise")
+    step = gpt_step(config, n_layer=1, d=16)
+    n_mm = sum(n.target in MATMUL_OPS for n in step.gm.graph.nodes)
+    gm = apply_dls(step.gm, config)
+    assert sum(d["float8"] == "rowwise" for d in float8_decisions(gm.graph).values()) == n_mm
+    # the DLS passes still unscale and check every gradient the float8 matmuls produce
+    unscaled = {roles.target_of(n) for n in roles.nodes_with_role(gm.graph, roles.UNSCALE) if roles.target_of(n)}
+    assert unscaled == {roles.target_of(n) for n in roles.nodes_with_role(gm.graph, roles.GRAD)}
+    assert roles.nodes_with_role(gm.graph, roles.ISFINITE)
+    out = run(step, gm)
+    ref = reference_step(step, config)
+    assert bool(out["state"].loss_scale == ref["state"].loss_scale)  # finite: the scale did not back off
+    # float8 operands: 3 mantissa bits (e4m3), relative rounding up to 2**-4 per operand
+    assert float(out["loss"]) == pytest.approx(float(ref["loss"]), rel=2**-3)
