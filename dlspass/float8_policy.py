@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dlspass.config import ConfigError
+
 EPS = 1e-12
 """The floor of an amax before it is inverted (torchao's ``float8_utils.EPS``)."""
 
@@ -90,8 +92,6 @@ class Float8Filter:
     multiple_of: int = 1
 
     def __post_init__(self) -> None:
-        from dlspass.config import ConfigError
-
         if self.min_size not in (None, "auto"):
             raise ConfigError(f"float8 filter min_size: expected None or 'auto', got {self.min_size!r}")
         if isinstance(self.multiple_of, bool) or not isinstance(self.multiple_of, int) or self.multiple_of < 1:

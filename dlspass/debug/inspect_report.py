@@ -29,6 +29,7 @@ from dlspass.graph import roles
 from dlspass.graph.roles import recorded_config
 from dlspass.onnx.files import load_onnx, onnx_meta
 from dlspass.passes.decompose_rounding_pass import rounded_format
+from dlspass.passes.lower_matmuls_to_float8_pass import FLOAT8_KEY
 
 FORMATS = ("text", "json", "svg", "html")
 SCHEMA_ID = "dlspass-inspect/1"
@@ -180,8 +181,6 @@ def _recorded_object(graph: Any, key: str) -> dict:
 def _float8(graph: Any) -> dict[str, dict[str, Any]]:
     """Per matmul, whether the float8 pass converted it and why not, as it recorded it (on the
     seed node in a .pt2 file); read as defensively as `_skipped`: only well-formed entries."""
-    from dlspass.passes.lower_matmuls_to_float8_pass import FLOAT8_KEY
-
     out = {}
     for name, d in _recorded_object(graph, FLOAT8_KEY).items():
         if not (isinstance(name, str) and isinstance(d, dict)):
