@@ -372,6 +372,8 @@ def analyze(
     formats: Annotated[str | None, typer.Option("--formats", help="Comma-separated formats (default: all).")] = None,
     steps: Annotated[int, typer.Option("--steps", help="Calibration steps.")] = 1,
     threshold: Annotated[float, typer.Option("--threshold", help="Largest fraction of the model's parameter-gradient values allowed to flush to zero (dlspass.analyze's DEFAULT_THRESHOLD).")] = 0.005,
+    fp16_type: Annotated[str | None, typer.Option("--fp16-type", help="float8: per matmul (forward and backward), what the float8 cast loses and whether to leave it in 16 bits (a MODULE:FACTORY; text or json); another format: as --formats with that one.")] = None,
+    float8: Annotated[str, typer.Option("--float8", help="The float8 recipe judged with --fp16-type float8: tensorwise or rowwise.")] = "tensorwise",
 ) -> None:
     """Does the model fit float16, bfloat16, cbfloat16, float8? The window of loss scales and a recommended initial_loss_scale per format, from float32 calibration steps.
 
@@ -381,7 +383,7 @@ def analyze(
     """
     from dlspass.debug.analyze_command import run_analyze
 
-    run_analyze(factory, fmt, output, formats, steps, threshold)
+    run_analyze(factory, fmt, output, formats, steps, threshold, fp16_type, float8)
 
 
 @_quiet_command
