@@ -206,3 +206,24 @@ def test_telemetry_still_counts_every_gradient_of_a_float8_step() -> None:
     grads = {k for k in reads[0] if k.startswith("grad:")}
     assert grads == {f"grad:{k}" for k, _ in _setup()[0].named_parameters()}
     assert all(reads[0][k]["amax"] > 0 for k in grads)
+
+
+def test_inspect_reads_only_well_formed_float8_records() -> None:
+    """The float8 record comes from the file: a hand-edited one cannot stop the report, and what
+    it names is escaped (as inspect's other records, tests/hostile)."""
+    from dlspass.debug.inspect_report import _float8, _float8_text
+    from dlspass.passes.lower_matmuls_to_float8_pass import FLOAT8_KEY
+
+    g = torch.fx.Graph()
+    g.output(g.placeholder("x"))
+    good = {"float8": None, "why": "bmm\u202e", "op": "bmm.default", "module": "attn"}
+    record = {"mm_1": {"float8": "tensorwise", "why": None, "op": "mm.default", "module": ""},
+              "bmm_2": good, "bad_type": {"float8": 7, "why": None, "op": "mm.default", "module": ""},
+              "missing": {"float8": None}, "not_a_dict": ["x"]}
+    g.output_node().meta["custom"] = {FLOAT8_KEY: json.dumps(record)}
+    got = _float8(g)
+    assert sorted(got) == ["bmm_2", "mm_1"]
+    text = "\n".join(_float8_text(got))
+    assert text.startswith("float8: 1 of 2 matmuls converted (tensorwise 1)") and "\u202e" not in text
+    g.output_node().meta["custom"] = {FLOAT8_KEY: "{not json"}
+    assert _float8(g) == {}
