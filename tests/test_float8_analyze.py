@@ -17,6 +17,7 @@ from dlspass.config import DLSConfig
 from dlspass.debug.float8_risk import analyze_float8, cast_losses
 from dlspass.debug.precision_risk import AnalyzeError
 from dlspass.float8_policy import RECIPES
+from dlspass.models import MHAGPT, gpt_loss
 from dlspass.passes import apply_dls
 from dlspass.passes.lower_matmuls_to_float8_pass import float8_decisions
 
@@ -115,3 +116,17 @@ def test_cli_analyze_fp16_type_float8(capsys, tmp_path) -> None:
     assert "not judged per matmul" in capsys.readouterr().err
     with pytest.raises(AnalyzeError, match="recipe"):
         analyze_float8(Two(), _mse, (torch.randn(2, 32), torch.randn(2, 16)), recipe="blockwise")
+
+
+def test_an_mha_gpt_is_judged_on_all_27_matmuls_the_pass_converts() -> None:
+    """nn.MultiheadAttention's in-projection, batched products and out_proj too. Eager autograd
+    spells some linears ``mm`` + ``add`` where the traced graph has ``addmm``: the count holds."""
+    torch.manual_seed(0)
+    model = MHAGPT(vocab=32, d=32, n_layer=2, n_head=2, block_size=8)
+    batch = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
+    rows = analyze_float8(model, gpt_loss, batch)
+    step = trace_step(model, gpt_loss, batch)
+    decisions = float8_decisions(apply_dls(step.gm, DLSConfig(loss_scale=None, mixed_precision=False,
+                                                              float8="tensorwise")).graph)
+    assert len(rows) == sum(1 for d in decisions.values() if d["float8"]) == 27
+    assert {r.module for r in rows if r.phase == "forward"} >= {"blocks.0.attn", "blocks.1.fc", "head"}
