@@ -130,8 +130,10 @@ def test_the_key_pass_keeps_an_installed_pass_and_its_uuid(monkeypatch):
         def uuid(self):
             return "mine-1"
 
-    monkeypatch.setattr(inductor_config, cache_facts.HOOK, Mine())
-    patch = cache_facts.inductor_key_config()[cache_facts.HOOK]
+    # inductor's own patch, not monkeypatch: pytest's undo deletes a module attribute it did not
+    # find in the module's __dict__, and a deleted inductor setting stays hidden for the process
+    with inductor_config.patch({cache_facts.HOOK: Mine()}):
+        patch = cache_facts.inductor_key_config()[cache_facts.HOOK]
     patch("g")
     assert seen == ["g"]
     # the facts and the installed pass's uuid both change the key
