@@ -42,8 +42,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._inductor import config as inductor_config
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from dlspass.cache_facts import inductor_key_config
 from dlspass.errors import InputTypeError, InputValueError
 from dlspass.precision_policy import NATIVE_DTYPES
 
@@ -303,7 +305,10 @@ def _compiled_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: b
             code = base.__code__.replace(co_name=name, co_qualname=name)
             fresh = types.FunctionType(code, base.__globals__, name, None, base.__closure__)
             kernel = _COMPILED[key] = torch.compile(fresh, dynamic=True, fullgraph=True)
-        return kernel(x)
+        # the CPU facts in the cache key: inductor's own key lacks the vector ISA, and a kernel
+        # cached under another ISA rounds wrongly here (dlspass.cache_facts)
+        with inductor_config.patch(inductor_key_config()):
+            return kernel(x)
     except Exception as err:
         _compile_failed = True
         warnings.warn(

@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import dlspass
-from dlspass.capture.cache_facts import cpu_facts, load_cache_artifacts, save_cache_artifacts
+from dlspass.cache_facts import cpu_facts, load_cache_artifacts, save_cache_artifacts
 from dlspass.models import MLP, mse_train_step
 
 OVERFLOW_STEP = 1  # the second of three steps overflows: a skip, then a clean step after it

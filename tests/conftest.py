@@ -6,6 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from torch._inductor import config as inductor_config
+
+from dlspass.cache_facts import CacheFactsPass
+
+# Every inductor compile of the test processes carries the CPU facts in its cache key, torch's
+# own baselines (torch.compile(model) beside a dlspass step) included: inductor's key lacks the
+# vector ISA, so a cache folder warmed under another ATEN_CPU_CAPABILITY would hand the baseline
+# code of the other ISA (seen: vectorised source compiled without the vector headers, a C++
+# error). dlspass's own compiles key themselves (tests/test_cache_facts.py checks that in fresh
+# processes, where this line does not run).
+inductor_config.post_grad_custom_post_pass = CacheFactsPass(None)
 
 _HERE = Path(__file__).parent
 

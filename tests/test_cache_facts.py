@@ -3,7 +3,7 @@
 torch 2.13 keys inductor's FX graph cache on the thread count but not on the vector ISA it
 generates C++ for: a step compiled under ``ATEN_CPU_CAPABILITY=avx512`` and read under ``avx2``
 from the same ``TORCHINDUCTOR_CACHE_DIR`` skipped every step (nan losses); the reverse can
-corrupt the heap. dlspass puts the facts into the key (``dlspass.capture.cache_facts``).
+corrupt the heap. dlspass puts the facts into the key (``dlspass.cache_facts``).
 
 Each process (tests/cache_child.py) is one kind of machine sharing one cache folder: it
 compiles the same tiny step with inductor and trains three steps, the second overflowing.
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlspass.capture import cache_facts
-from dlspass.capture.cache_facts import CacheFactsError, cpu_facts, load_cache_artifacts
+from dlspass import cache_facts
+from dlspass.cache_facts import CacheFactsError, cpu_facts, load_cache_artifacts
 
 CHILD = Path(__file__).with_name("cache_child.py")
 ROOT = CHILD.parent.parent

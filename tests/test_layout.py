@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                  "dlspass.deepspeed_config")),
     ("config", ("dlspass.config",)),
     ("numerics", ("dlspass.formats", "dlspass.format_ranges", "dlspass.scale_policy",
-                  "dlspass.precision_policy", "dlspass.cudagraph_policy", "dlspass.float8_policy")),
+                  "dlspass.precision_policy", "dlspass.cudagraph_policy", "dlspass.float8_policy",
+                  "dlspass.cache_facts")),
     ("models", ("dlspass.models",)),  # the toy models: nothing of dlspass above numerics
     ("runtime", ("dlspass.scale_log", "dlspass.scaler", "dlspass.distributed", "dlspass.checkpoint")),
     ("graph", ("dlspass.graph",)),

@@ -21,8 +21,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import dlspass
+from dlspass.cache_facts import inductor_key_config
 from dlspass.capture import aot
-from dlspass.capture.cache_facts import inductor_key_config
 from dlspass.cudagraph_policy import (
     CPU_TENSORS,
     DYNAMIC_SHAPES,

@@ -8,7 +8,7 @@ the graph passes added, and compiles the result, so the entry point only builds 
 hands ``functools.partial(step_backend, plan=...)`` to ``torch.compile``: control runs down.
 
 Every inductor compile here carries the CPU facts in its cache key
-(``dlspass.capture.cache_facts``).
+(``dlspass.cache_facts``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from torch._inductor.virtualized import V
 from torch._subclasses import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import enable_python_dispatcher
 
+from dlspass.cache_facts import inductor_key_config
 from dlspass.capture import step_pipeline
-from dlspass.capture.cache_facts import inductor_key_config
 from dlspass.capture.dynamo_source import tag_aot_graph
 from dlspass.capture.step_plan import StepPlan
 from dlspass.cudagraph_policy import cudagraph_decision, inductor_options, step_facts
@@ -91,7 +91,7 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
                           is_inference: bool) -> Callable:
             DecomposeForInductorPass()(g)
             per_graph = graph_config(g) if graph_config is not None else {}
-            # the CPU facts in the cache key (dlspass.capture.cache_facts): a cache entry made
+            # the CPU facts in the cache key (dlspass.cache_facts): a cache entry made
             # under another vector ISA or thread count is a miss, never a wrong hit
             with inductor_config.patch({**INDUCTOR_CONFIG, **inductor_key_config(),
                                         **(inductor_config_extra or {}), **per_graph}):

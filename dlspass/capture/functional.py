@@ -30,8 +30,8 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from dlspass.cache_facts import inductor_key_config
 from dlspass.capture import step_pipeline
-from dlspass.capture.cache_facts import inductor_key_config
 from dlspass.capture.optim import functionalize
 from dlspass.capture.runner import StepRunner
 from dlspass.capture.step_config import resolve_config
@@ -371,7 +371,7 @@ def _feeding(runner: Callable[..., Any], providers: list[Callable[[], Tensor]]) 
 def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
     gm = clone_step_graph(gm)  # the rewritten graph stays inspectable, with its rounding op
     DecomposeRoundingPass(form="cast")(gm)
-    # the CPU facts in the cache key (dlspass.capture.cache_facts)
+    # the CPU facts in the cache key (dlspass.cache_facts)
     with inductor_config.patch({**INDUCTOR_CONFIG, **inductor_key_config()}):
         return compile_fx(gm, example)
 
