@@ -42,10 +42,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._inductor import config as inductor_config
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from dlspass.cache_facts import inductor_key_config
 from dlspass.errors import InputTypeError, InputValueError
 from dlspass.precision_policy import NATIVE_DTYPES
 
@@ -305,6 +303,12 @@ def _compiled_round(x: torch.Tensor, f: Format, saturate: bool, flush_to_zero: b
             code = base.__code__.replace(co_name=name, co_qualname=name)
             fresh = types.FunctionType(code, base.__globals__, name, None, base.__closure__)
             kernel = _COMPILED[key] = torch.compile(fresh, dynamic=True, fullgraph=True)
+        # imported here, not at the top: inductor's config loads dynamo (about 0.9 s), which an
+        # eager user of the formats (analyze, the eager rounding of small tensors) never needs
+        from torch._inductor import config as inductor_config
+
+        from dlspass.cache_facts import inductor_key_config
+
         # the CPU facts in the cache key: inductor's own key lacks the vector ISA, and a kernel
         # cached under another ISA rounds wrongly here (dlspass.cache_facts)
         with inductor_config.patch(inductor_key_config()):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -257,6 +259,9 @@ LAZY_FOR_START_UP = {
     # an isinstance check; at the top it would load the compile path (dynamo, inductor: some
     # seconds) for every eager user of dlspass.debug.faults and dlspass.debug.localize
     ("dlspass.debug.faults", "dlspass.capture.compiled_step"),
+    # the CPU-facts key of the lazily compiled rounding kernel: cache_facts loads inductor and
+    # dynamo (about 0.9 s) for every importer of dlspass.formats, eager ones included
+    ("dlspass.formats", "dlspass.cache_facts"),
 }
 
 
@@ -289,3 +294,17 @@ def test_internal_imports_are_at_the_top_except_where_start_up_needs_laziness() 
         tree = ast.parse(MODULES[module].read_text())
         assert any(isinstance(n, ast.ImportFrom) and n.col_offset > 0 and n.module == imported
                    for n in ast.walk(tree)), (module, imported)
+
+
+# modules an eager user imports (the eager scalers, the formats, analyze's ranges, the configs):
+# none of them may load the compile path (inductor, dynamo: about 0.9 s on top of torch's import)
+EAGER_MODULES = ("dlspass", "dlspass.scaler", "dlspass.formats", "dlspass.format_ranges",
+                 "dlspass.config", "dlspass.presets", "dlspass.modelzoo")
+
+
+@pytest.mark.parametrize("module", EAGER_MODULES)
+def test_eager_modules_do_not_load_the_compile_path(module: str) -> None:
+    probe = (f"import sys, {module}\n"
+             "print(sorted(m for m in sys.modules if m.startswith(('torch._inductor', 'torch._dynamo'))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"{module} loads: {out.stdout.strip()[:300]}"
