@@ -21,7 +21,8 @@ engine always passes the ``fp16`` section's defaults (``DeepSpeedFP16Config``: p
 when the section names one of the five dynamic keys; otherwise ZeRO builds
 ``DynamicLossScaler()`` with its own defaults (2**32, window 1000, floor 1, hysteresis 1) and the
 optimizer without ZeRO takes its floor from the optimizer class (1 for FusedAdam, 0.25 for the
-others), which the config file does not say: such a file is refused.
+others), which the config file does not say: such a file is refused unless it sets a
+static ``loss_scale`` (no dynamic default is read then).
 
 Anything dlspass cannot map is refused with one line (``ConfigError`` from `DLSConfig`):
 an unknown key in ``fp16``, ``"auto"`` (which the Hugging Face integration fills in),
@@ -171,16 +172,6 @@ def settings_from_deepspeed(path_or_dict: str | Path | Mapping,
                               "not supported (dlspass keeps float32 master weights)")
     stage = _zero_stage(data, src)
     current = rel >= GROWTH_RULE_CHANGED
-    named = [k for k in _DYNAMIC_KEYS if k in fp16]
-    if current or named:
-        values = {**_FP16_DEFAULTS, **{k: fp16[k] for k in named}}
-    elif stage > 0:
-        values = dict(_SCALER_DEFAULTS_UP_TO_0_17_0)
-    else:
-        raise InputValueError(
-            f"{src}fp16: DeepSpeed {'.'.join(map(str, rel))} without ZeRO and without any of "
-            f"{', '.join(_DYNAMIC_KEYS)} takes the scale's floor from the optimizer class (1 for "
-            "FusedAdam, 0.25 for the others); name fp16.min_loss_scale")
     loss_scale = fp16.get("loss_scale", 0)
     if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not loss_scale >= 0:
         raise InputValueError(f"{src}fp16.loss_scale: expected 0 (dynamic) or a positive number, "
@@ -191,9 +182,19 @@ def settings_from_deepspeed(path_or_dict: str | Path | Mapping,
             raise InputValueError(f"{src}fp16.auto_cast: expected true or false, got "
                                   f"{excerpt(fp16['auto_cast'])}")
         kwargs["extras"] = {"auto_cast": fp16["auto_cast"]}
-    if loss_scale > 0:
+    if loss_scale > 0:  # a static scale: no dynamic default is read, whatever the release
         kwargs["loss_scale"] = float(loss_scale)
         return ModelZooSettings(kwargs, src, _KEY_PATHS)
+    named = [k for k in _DYNAMIC_KEYS if k in fp16]
+    if current or named:
+        values = {**_FP16_DEFAULTS, **{k: fp16[k] for k in named}}
+    elif stage > 0:
+        values = dict(_SCALER_DEFAULTS_UP_TO_0_17_0)
+    else:
+        raise InputValueError(
+            f"{src}fp16: DeepSpeed {'.'.join(map(str, rel))} without ZeRO and without any of "
+            f"{', '.join(_DYNAMIC_KEYS)} takes the scale's floor from the optimizer class (1 for "
+            "FusedAdam, 0.25 for the others); name fp16.min_loss_scale")
     power = _int(values["initial_scale_power"], f"{src}fp16.initial_scale_power")
     window = _int(values["loss_scale_window"], f"{src}fp16.loss_scale_window", 1)
     hysteresis = _int(values["hysteresis"], f"{src}fp16.hysteresis", 1)

@@ -11,10 +11,13 @@ DeepSpeed, exact power-of-two double) values; where a tool leaves float32's rang
 dlspass's floor the comparison stops, and the differences dlspass keeps on purpose are asserted
 as such (docs/SEMANTICS.md §2, §3).
 
-DeepSpeed 0.17.0's rule (``deepspeed-0.17.0``) is not run from 0.17.0's code here: that release
-does not install beside 0.19.8, and its sdist needs a CUDA build to prepare; its rule stays
-checked against the hand-worked traces (tests/traces/policies.json) and the plain-Python
-reference of tests/test_properties.py.
+DeepSpeed 0.17.0's rule (``deepspeed-0.17.0``) and its reading of the ``fp16`` section are run
+from 0.17.0's own files: that release does not install beside 0.19.8, so ``tests/deepspeed_sdist.py``
+fetches its sdist from PyPI into a cache folder (``$DLSPASS_SDIST_CACHE``, default
+``~/.cache/dlspass/sdists``; reused across runs) and runs ``loss_scaler.py``, the ``fp16`` readers of
+``config.py`` and the fp16 optimizers' ``_update_scale`` under private module names, beside the
+installed 0.19.8. Offline with an empty cache those tests fail with the command that pre-fetches it.
+The hand-worked 0.17.0 traces (tests/traces/policies.json) stay as a cross-check of the docs' tables.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import sys
 import types
 
+import deepspeed_sdist
 import numpy as np
 import pytest
 import torch
@@ -84,8 +88,20 @@ def ds_loss_scaler():
     loss_scaler.dist = saved
 
 
+@pytest.fixture(scope="module")
+def ds_0_17_0() -> deepspeed_sdist.Release:
+    """DeepSpeed 0.17.0's loss-scaling code, from its sdist (tests/deepspeed_sdist.py). Without
+    the sdist and without PyPI this fails, naming the command that pre-fetches it: skipping would
+    leave the 0.17.0 rule unchecked without a sign."""
+    try:
+        return deepspeed_sdist.release("0.17.0")
+    except deepspeed_sdist.SdistUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
 def deepspeed_zero(ls, seq, init, window, hyst, consecutive, floor):
-    """DeepSpeed's ZeRO scaler (``DynamicLossScaler.update_scale``): ``(scale, hysteresis)``."""
+    """DeepSpeed's ZeRO scaler (``DynamicLossScaler.update_scale``): ``(scale, hysteresis)``;
+    ``ls`` is the loss_scaler module of the release followed (installed, or 0.17.0's)."""
     sc = ls.DynamicLossScaler(init_scale=init, scale_window=window, min_scale=floor,
                               delayed_shift=hyst, consecutive_hysteresis=consecutive,
                               raise_error_at_min_scale=False)
@@ -96,10 +112,19 @@ def deepspeed_zero(ls, seq, init, window, hyst, consecutive, floor):
     return out
 
 
-def deepspeed_fp16_optimizer(seq, init, window, floor, fused=True):
+def deepspeed_fp16_optimizer(seq, init, window, floor, fused=True, release=None):
     """``FP16_Optimizer._update_scale`` (or the unfused one's), DeepSpeed without ZeRO, run on
     a stand-in for the optimizer: the real method and ``LossScaleConfig`` (the optimizers'
-    constructors need a CUDA device)."""
+    constructors need a CUDA device). With ``release`` (a `deepspeed_sdist.Release`), that
+    release's method and the scale-state branch of its ``__init__``."""
+    if release is not None:
+        args = {"init_scale": init, "scale_window": window, "min_scale": floor}
+        opt, update = release.fp16_optimizer(fused, dynamic_loss_args=args)
+        out = []
+        for ovf in seq:
+            update(bool(ovf))
+            out.append(opt.cur_scale)
+        return out
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
@@ -190,15 +215,19 @@ def f32(x: float) -> float:
 
 
 # ---- item 1: DeepSpeed as installed --------------------------------------------------------------
-def test_deepspeed_grows_one_step_later_than_0_17_0(ds_loss_scaler):
+def test_deepspeed_grows_one_step_later_than_0_17_0(ds_loss_scaler, ds_0_17_0):
     # The case of the issue: init 1024, window 3, three clean steps: DeepSpeed 0.19.8 holds 1024
     ref = deepspeed_zero(ds_loss_scaler, [False] * 4, 1024.0, 3, 2, False, 1.0)
     assert [s for s, _ in ref] == [1024.0, 1024.0, 1024.0, 2048.0]
     cfg = DLSConfig(policy="deepspeed", initial_loss_scale=1024.0, steps_per_increase=3)
     assert [float(s.loss_scale) for s in dls_batch(cfg, np.zeros((1, 4), bool))[0]] == \
         [1024.0, 1024.0, 1024.0, 2048.0]
+    # ... and 0.17.0's own code grows at the third
+    old_ref = deepspeed_zero(ds_0_17_0.loss_scaler, [False] * 4, 1024.0, 3, 2, False, 1.0)
+    assert [s for s, _ in old_ref] == [1024.0, 1024.0, 2048.0, 2048.0]
     old = DLSConfig(policy="deepspeed-0.17.0", initial_loss_scale=1024.0, steps_per_increase=3)
-    assert float(dls_batch(old, np.zeros((1, 3), bool))[0][-1].loss_scale) == 2048.0
+    assert [float(s.loss_scale) for s in dls_batch(old, np.zeros((1, 4), bool))[0]] == \
+        [s for s, _ in old_ref]
 
 
 @pytest.mark.parametrize("window", [1, 2, 3, 5])
@@ -215,6 +244,25 @@ def test_deepspeed_preset_matches_deepspeed_zero_scaler(ds_loss_scaler, window, 
         assert got == ref, seq.astype(int).tolist()
 
 
+@pytest.mark.parametrize("window", [1, 2, 3, 5])
+@pytest.mark.parametrize("hyst", [1, 2, 3])
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_deepspeed_0_17_0_preset_matches_0_17_0s_zero_scaler(ds_0_17_0, ds_loss_scaler, window,
+                                                             hyst, consecutive):
+    # the patterns (seeds) of the 0.19.8 case above, through 0.17.0's DynamicLossScaler
+    init = 2.0 ** (4 + window + hyst)
+    cfg = DLSConfig(policy="deepspeed-0.17.0", initial_loss_scale=init, steps_per_increase=window,
+                    hysteresis=hyst, consecutive_hysteresis=consecutive, min_loss_scale=1.0)
+    seqs = patterns(100 * window + 10 * hyst + consecutive, 60)
+    differs = 0
+    for seq, ours in zip(seqs, dls_batch(cfg, seqs), strict=True):
+        ref = deepspeed_zero(ds_0_17_0.loss_scaler, seq, init, window, hyst, consecutive, 1.0)
+        got = [(float(s.loss_scale), int(s.hysteresis)) for s in ours]
+        assert got == ref, seq.astype(int).tolist()
+        differs += ref != deepspeed_zero(ds_loss_scaler, seq, init, window, hyst, consecutive, 1.0)
+    assert differs > 0  # the patterns tell 0.17.0 from 0.19.8 (the check sees the release)
+
+
 @pytest.mark.parametrize("window", [1, 2, 4])
 @pytest.mark.parametrize("fused", [True, False])
 def test_fp16_optimizer_preset_matches_deepspeed_without_zero(window, fused):
@@ -226,6 +274,79 @@ def test_fp16_optimizer_preset_matches_deepspeed_without_zero(window, fused):
     for seq, ours in zip(seqs, dls_batch(cfg, seqs), strict=True):
         ref = deepspeed_fp16_optimizer(seq, init, window, 1.0, fused)
         assert [float(s.loss_scale) for s in ours] == ref, seq.astype(int).tolist()
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+@pytest.mark.parametrize("fused", [True, False])
+def test_fp16_optimizer_preset_matches_0_17_0_without_zero(ds_0_17_0, window, fused):
+    # 0.17.0's optimizers keep the scale state on themselves (no LossScaleConfig yet); the rule
+    # is the current one there too, so the one policy serves both releases
+    init = 2.0**12
+    cfg = DLSConfig(policy="deepspeed-fp16-optimizer", initial_loss_scale=init,
+                    steps_per_increase=window, min_loss_scale=1.0)
+    seqs = patterns(7 * window + fused, 200)
+    for seq, ours in zip(seqs, dls_batch(cfg, seqs), strict=True):
+        ref = deepspeed_fp16_optimizer(seq, init, window, 1.0, fused, release=ds_0_17_0)
+        assert [float(s.loss_scale) for s in ours] == ref, seq.astype(int).tolist()
+
+
+def _deepspeed_0_17_0_engine(release, ds_config: dict, stage: int):
+    """``(scale, update)`` of what DeepSpeed 0.17.0's engine builds from ``ds_config``: its
+    config readers' values passed as ``engine.py`` passes them, to ``CreateLossScaler`` (ZeRO,
+    stages 1-3, as ``stage_1_and_2.py`` / ``stage3.py`` call it) or to ``FP16_Optimizer``
+    (stage 0, FusedAdam: ``_configure_fp16_optimizer``'s dynamic branch)."""
+    loss_scale = release.config.get_loss_scale(ds_config)
+    args = release.config.get_dynamic_loss_scale_args(ds_config)
+    if stage > 0:
+        sc = release.loss_scaler.CreateLossScaler(torch.half, loss_scale, loss_scale == 0, args)
+        sc.raise_error_at_min_scale = False
+        return (lambda: sc.cur_scale), sc.update_scale, sc
+    opt, update = release.fp16_optimizer(
+        True, dynamic_loss_scale=loss_scale == 0, static_loss_scale=loss_scale,
+        initial_dynamic_scale=release.config.get_initial_dynamic_scale(ds_config),
+        dynamic_loss_args=args)
+    return (lambda: opt.cur_scale), update, opt
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("fp16", [
+    {"enabled": True},
+    {"enabled": True, "loss_scale_window": 3},
+    {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2, "hysteresis": 3},
+    {"enabled": True, "initial_scale_power": 8, "hysteresis": 3, "consecutive_hysteresis": True,
+     "min_loss_scale": 4, "loss_scale_window": 2},
+    {"enabled": True, "min_loss_scale": 0.5, "loss_scale_window": 1},
+    {"enabled": True, "loss_scale": 128.0},
+])
+def test_from_deepspeed_0_17_0_follows_0_17_0s_own_config_reading(ds_0_17_0, fp16, stage):
+    ds_config = {"train_batch_size": 8, "fp16": fp16, "zero_optimization": {"stage": stage}}
+    assert ds_0_17_0.config.get_fp16_enabled(ds_config)
+    if stage == 0 and not any(k in fp16 for k in ("initial_scale_power", "loss_scale_window",
+                                                   "min_loss_scale", "hysteresis",
+                                                   "consecutive_hysteresis", "loss_scale")):
+        # 0.17.0 passes no dynamic arguments: the floor comes from the optimizer class, which
+        # the file does not say (FusedAdam 1, the others 0.25), so dlspass refuses the file
+        floors = {fused: ds_0_17_0.fp16_optimizer(fused)[0].min_loss_scale for fused in (True, False)}
+        assert floors == {True: 1, False: 0.25}
+        with pytest.raises(ConfigError, match=r"fp16\.min_loss_scale"):
+            DLSConfig.from_deepspeed(ds_config, release="0.17.0")
+        return
+    cfg = DLSConfig.from_deepspeed(ds_config, release="0.17.0")
+    scale, update, ref = _deepspeed_0_17_0_engine(ds_0_17_0, ds_config, stage)
+    assert float(init_state(cfg).loss_scale) == scale()
+    if not getattr(ref, "dynamic", getattr(ref, "dynamic_loss_scale", True)):
+        assert cfg.loss_scale == scale() and not cfg.dynamic
+        return
+    assert cfg.policy == ("deepspeed-0.17.0" if stage else "deepspeed-fp16-optimizer")
+    if stage:
+        assert cfg.hysteresis_steps == ref.delayed_shift
+    # without a window the default 1000 needs long runs to grow at all
+    seqs = patterns(len(fp16) + stage, 12, steps=2500 if "loss_scale_window" not in fp16 else N_STEPS)
+    for seq, ours in zip(seqs, dls_batch(cfg, seqs), strict=True):
+        scale, update, _ = _deepspeed_0_17_0_engine(ds_0_17_0, ds_config, stage)
+        for ovf, s in zip(seq, ours, strict=True):
+            update(bool(ovf))
+            assert float(s.loss_scale) == scale()
 
 
 def _deepspeed_engine_scaler(ds_loss_scaler, ds_config: dict):
@@ -459,12 +580,15 @@ def _eager_scales(cfg: DLSConfig, seq) -> list[float]:
     return out
 
 
-def test_eager_grad_scaler_matches_the_tools(ds_loss_scaler, megatron_scaler, keras):
+def test_eager_grad_scaler_matches_the_tools(ds_loss_scaler, ds_0_17_0, megatron_scaler, keras):
     seqs = patterns(5, 12, steps=30)
     cases = {
         "deepspeed": (dict(hysteresis=2, consecutive_hysteresis=False),
                       lambda s: [x for x, _ in deepspeed_zero(ds_loss_scaler, s, 256.0, 2, 2,
                                                               False, 1.0)]),
+        "deepspeed-0.17.0": (dict(hysteresis=2, consecutive_hysteresis=True),
+                             lambda s: [x for x, _ in deepspeed_zero(ds_0_17_0.loss_scaler, s,
+                                                                     256.0, 2, 2, True, 1.0)]),
         "deepspeed-fp16-optimizer": ({}, lambda s: deepspeed_fp16_optimizer(s, 256.0, 2, 1.0)),
         "megatron": (dict(hysteresis=2), lambda s: [x for x, _, _ in megatron(
             megatron_scaler, s, 256.0, 2, 2, 1.0)]),
@@ -501,12 +625,16 @@ def _captured_scales(cfg: DLSConfig, seq, compile: bool = False) -> list[float]:
     return out
 
 
-def test_captured_step_matches_the_tools(ds_loss_scaler):
+def test_captured_step_matches_the_tools(ds_loss_scaler, ds_0_17_0):
     seq = patterns(11, 1, steps=24)[0]
     ds = DLSConfig(policy="deepspeed", initial_loss_scale=256.0, steps_per_increase=2,
                    hysteresis=2, min_loss_scale=1.0, mixed_precision=False)
     assert _captured_scales(ds, seq) == [s for s, _ in deepspeed_zero(
         ds_loss_scaler, seq, 256.0, 2, 2, False, 1.0)]
+    old = ds.with_overrides(policy="deepspeed-0.17.0")
+    old_ref = [s for s, _ in deepspeed_zero(ds_0_17_0.loss_scaler, seq, 256.0, 2, 2, False, 1.0)]
+    assert _captured_scales(old, seq) == old_ref
+    assert _captured_scales(ds, seq) != old_ref  # this pattern tells the two releases apart
     fp16_opt = ds.with_overrides(policy="deepspeed-fp16-optimizer")
     assert _captured_scales(fp16_opt, seq) == deepspeed_fp16_optimizer(seq, 256.0, 2, 1.0)
     th = DLSConfig(policy="torch", initial_loss_scale=256.0, steps_per_increase=2,
@@ -519,3 +647,19 @@ def test_captured_step_matches_the_tools(ds_loss_scaler):
                     min_loss_scale=2.0**-149, mixed_precision=False)
     tiny = [True] * 8 + [False]
     assert _captured_scales(sub, tiny) == [s for s, _ in torch_amp(tiny, 2.0**-120, 2)]
+
+
+# ---- the 0.17.0 sdist's cache ------------------------------------------------------------------
+def test_without_pypi_the_0_17_0_reference_fails_naming_the_prefetch_command(tmp_path, monkeypatch):
+    monkeypatch.setenv(deepspeed_sdist.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip offline: no index, no links
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    with pytest.raises(deepspeed_sdist.SdistUnavailable) as info:
+        deepspeed_sdist.sdist("0.17.0")
+    msg = str(info.value)
+    assert "pip download deepspeed==0.17.0 --no-deps --no-binary :all: --no-build-isolation" in msg
+    assert str(tmp_path / "deepspeed-0.17.0") in msg and "\n" not in msg
+    # a cached file that is not PyPI's is refused, not run
+    (tmp_path / "deepspeed-0.17.0" / "deepspeed-0.17.0.tar.gz").write_bytes(b"not the sdist")
+    with pytest.raises(deepspeed_sdist.SdistUnavailable, match="sha256"):
+        deepspeed_sdist.sdist("0.17.0")
