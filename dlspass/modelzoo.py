@@ -360,12 +360,9 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
         )
     enabled = values.get("enabled", True)
     fp16_type = values.get("fp16_type") or rules.default_fp16_type()
-    if enabled and not values.get("fp16_type") and rules.model is None and rules.release in GPT_DEFAULTS:
-        warnings.warn(f"{src}the half format is not named: Model Zoo {_name(rules)} defaults it per "
-                      f"model (bfloat16 for {', '.join(sorted(GPT_DEFAULTS[rules.release]))}); "
-                      f"read as {fp16_type}. Pass modelzoo_model (CLI: --modelzoo-model) or "
-                      "name model.fp16_type", UserWarning, stacklevel=6)
     loss_scale = values.get("loss_scaling_factor", 1.0)
+    if enabled and not values.get("fp16_type") and rules.model is None and rules.release in GPT_DEFAULTS:
+        _warn_family_unknown(src, rules, fp16_type, loss_scale)
     if enabled and fp16_type == "cbfloat16" and loss_scale != "dynamic":
         got = (f"got {excerpt(values['loss_scaling_factor'])}" if "loss_scaling_factor" in values
                else "absent means 1.0")
@@ -396,6 +393,23 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
     # DLSConfig names its own fields; messages name the YAML keys the user wrote instead
     key_paths = {field_name: dls + key for key, field_name in _DLS_KEYS.items()}
     return ModelZooSettings({**kwargs, "extras": extras}, src, key_paths)
+
+
+def _warn_family_unknown(src: str, rules: ModelZooRules, fp16_type: str, loss_scale: Any) -> None:
+    """One warning naming every setting whose default depends on the model family, which the file
+    does not say (1.7-2.2: GPT-style models default the half format to bfloat16 in their
+    ``set_defaults``, and their runners then drop a dynamic scale: "No need to use DLS for loss
+    when ``use_bfloat16`` is set", R_1.7 ``pytorch_base_runner.py``, 1.8-1.9
+    ``PyTorchBaseModel.py`` / ``run_cstorch_flow.py``, 2.0-2.2 ``run_cstorch_flow.py``)."""
+    gpt = ", ".join(sorted(GPT_DEFAULTS[rules.release]))
+    settings = [f"the half format is not named, read as {fp16_type} (bfloat16 for {gpt})"]
+    if loss_scale == "dynamic":
+        settings.append("optimizer.loss_scaling_factor: dynamic is kept (with a GPT-style model's "
+                        "bfloat16 Model Zoo drops it and trains without loss scaling)")
+    warnings.warn(f"{src}the model family is not named and Model Zoo {_name(rules)} defaults "
+                  f"{len(settings)} setting{'s' if len(settings) > 1 else ''} per model: "
+                  f"{'; '.join(settings)}. Pass modelzoo_model (CLI: --modelzoo-model) or name "
+                  "model.fp16_type", UserWarning, stacklevel=7)
 
 
 def _cstorch_dynamic_rules(kwargs: dict[str, Any], values: dict[str, Any], src: str, dls: str) -> None:

@@ -555,7 +555,9 @@ def test_a_gpt_config_in_a_checkout_gets_its_family_default_and_elsewhere_a_warn
         assert config_from_yaml(in_tree, modelzoo_release="R_1.7.1").fp16_type == "bfloat16"
     loose = tmp_path / "params.yaml"
     loose.write_text(text)
-    with pytest.warns(UserWarning, match=r"not named: Model Zoo 1\.7 defaults it per model .*gpt2"):
+    with pytest.warns(UserWarning, match=r"family is not named and Model Zoo 1\.7 defaults 2 "
+                      r"settings per model: the half format is not named, read as float16 "
+                      r"\(bfloat16 for .*gpt2.*loss_scaling_factor: dynamic is kept"):
         assert config_from_yaml(loose, modelzoo_release="R_1.7.1").fp16_type == "float16"
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -4,12 +4,17 @@ each release's ``set_defaults`` (docs/MODELZOO.md)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
+from pathlib import Path
 
+import cli_factories as cf
 import pytest
+import yaml
 
+from dlspass.capture.pt2_io import load_program
 from dlspass.config import DLSConfig
-from dlspass.modelzoo_releases import GPT_STYLE, model_from_params
+from dlspass.modelzoo_releases import GPT_DEFAULTS, GPT_STYLE, model_from_params, modelzoo_rules
 
 # R_1.7.1 gpt2/utils.py set_defaults: model.use_bfloat16 defaults to True (L35)
 LEGACY = ("model:\n  mixed_precision: true\noptimizer:\n  loss_scaling_factor: 1.0\n"
@@ -60,3 +65,100 @@ def test_model_from_params_reads_only_the_gpt_processors():
     assert model_from_params({"train_input": {"data_processor": "BertCSVDataProcessor"}}) is None
     assert model_from_params({"train_input": "GptHDF5DataProcessor"}) is None
     assert model_from_params({}) is None
+
+
+# ---- real configs whose defaults depend on the family (tests/data/modelzoo_facts.yaml) ----------
+# The facts record what each release's runner does with the file in its model's checkout. The
+# cases here are the legacy facts of GPT-style models, releases 1.7-2.2, that name no half format
+# (model.fp16_type / use_bfloat16): their half format, whether Model Zoo keeps the dynamic scale,
+# whether it logs the scale and whether mixed precision is on are read with the family.
+FACTS = yaml.safe_load((Path(__file__).parent / "data" / "modelzoo_facts.yaml")
+                       .read_text(encoding="utf-8"))["facts"]
+FAMILY_CASES = [
+    (fact, release) for fact in FACTS for release in fact["releases"]
+    if fact["layout"] == "legacy" and modelzoo_rules(release).release in GPT_DEFAULTS
+    and fact["model"] in GPT_DEFAULTS[modelzoo_rules(release).release]
+    and not {"fp16_type", "use_bfloat16"} & set(fact["config"].get("model", {}))
+]
+FAMILY_IDS = [f"{f['id']}@{r}" for f, r in FAMILY_CASES]
+
+
+def test_the_family_cases_are_the_gpt_configs_without_a_half_format():
+    assert FAMILY_IDS == [
+        "R_1.7.0/gpt2/params_gpt2_small_ws@R_1.7.0", "R_1.7.0/gpt2/params_gpt2_small_ws@R_1.7.1",
+        "R_1.7.0/gpt2/params_gpt2_small@R_1.7.0", "R_1.7.0/gpt2/params_gpt2_small@R_1.7.1",
+        "R_1.7.1/gpt2/params_gpt2_xl@R_1.7.1", "R_1.7.1/gpt3/params_gpt3_xl@R_1.7.1",
+        "R_1.7.1/gptj/params_gptj_6B@R_1.7.1", "Release_1.9.1/llama/params_llama_7b@Release_1.9.1"]
+
+
+def _read(data: dict, release: str, **kw) -> tuple[DLSConfig, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = DLSConfig.from_dict(copy.deepcopy(data), modelzoo_release=release, **kw)
+    return cfg, [str(w.message) for w in caught]
+
+
+def _check_defaults(cfg: DLSConfig, exp: dict) -> None:
+    # each default on its own, against the release's runner (the fact's `expected`)
+    assert cfg.fp16_type == exp["fp16_type"]
+    assert cfg.mixed_precision is exp["mixed_precision"]
+    assert cfg.log_loss_scale is exp["log_loss_scale"]
+    assert cfg.dynamic is (exp["scaler"] == "dynamic")
+    assert cfg.enabled is (exp["scaler"] != "none")
+
+
+@pytest.mark.parametrize(("fact", "release"), FAMILY_CASES, ids=FAMILY_IDS)
+def test_real_family_configs_named_inferred_or_warned(fact, release):
+    exp = {**fact["expected"], **fact.get("expected_by_release", {}).get(release, {})}
+    # named: the runner's defaults, and no family warning
+    named, msgs = _read(fact["config"], release, modelzoo_model=fact["model"])
+    _check_defaults(named, exp)
+    assert not [m for m in msgs if "model family is not named" in m]
+    # inferred from the file (its GPT data processor), outside any checkout: the same
+    with_processor = {**fact["config"], "train_input": {"data_processor": "GptHDF5DataProcessor"}}
+    inferred, msgs = _read(with_processor, release)
+    assert inferred == named
+    assert not [m for m in msgs if "model family is not named" in m]
+    # unknown: one warning naming every setting that depends on the family and the value chosen
+    unknown, msgs = _read(fact["config"], release)
+    family = [m for m in msgs if "model family is not named" in m]
+    assert len(family) == 1 and len(msgs) == 1, msgs
+    dynamic = fact["config"].get("optimizer", {}).get("loss_scaling_factor") == "dynamic"
+    msg = family[0]
+    assert "the half format is not named, read as float16" in msg
+    assert ("optimizer.loss_scaling_factor: dynamic is kept" in msg) is dynamic
+    assert f"defaults {2 if dynamic else 1} setting" in msg
+    assert "modelzoo_model" in msg and "--modelzoo-model" in msg
+    assert unknown.fp16_type == "float16" and unknown.dynamic is dynamic
+    # what does not depend on the family reads the same either way
+    assert (unknown.mixed_precision, unknown.log_loss_scale) == (named.mixed_precision,
+                                                                 named.log_loss_scale)
+
+
+def test_cli_warns_once_for_an_unnamed_family_and_takes_the_flag(tmp_path, capsys):
+    # a 2.0 file (model.precision_opt_level is read up to 2.0) with a dynamic scale and no half
+    # format: GPT-2 defaults bfloat16 (Release_2.0.3 gpt2/utils.py set_defaults) and then drops
+    # the dynamic scale (run_cstorch_flow.py); nothing here names the family
+    cfg_file = tmp_path / "params.yaml"
+    cfg_file.write_text("model:\n  mixed_precision: true\n  precision_opt_level: 1\n"
+                        "optimizer:\n  loss_scaling_factor: dynamic\n")
+    out = tmp_path / "unnamed.pt2"
+    capsys.readouterr()
+    assert cf.cli("transform", cf.joint_file("mlp"), "-o", out, "--config", cfg_file) == 0
+    err = capsys.readouterr().err
+    family = [line for line in err.splitlines() if "model family is not named" in line]
+    assert len(family) == 1 and family[0].startswith("warning: ")
+    assert "read as float16" in family[0] and "loss_scaling_factor: dynamic is kept" in family[0]
+    assert "--modelzoo-model" in family[0]
+    _, meta = load_program(out)
+    assert meta["config"]["fp16_type"] == "float16" and DLSConfig.from_dict(meta["config"]).dynamic
+    named = tmp_path / "gpt2.pt2"
+    assert cf.cli("transform", cf.joint_file("mlp"), "-o", named, "--config", cfg_file,
+                  "--modelzoo-model", "gpt2") == 0
+    err = capsys.readouterr().err
+    assert "model family is not named" not in err
+    # GPT-2's bfloat16 drops the dynamic scale, and the reader says so
+    assert "warning: " in err and "is dropped: the half format is bfloat16" in err
+    _, meta = load_program(named)
+    assert meta["config"]["fp16_type"] == "bfloat16"
+    assert not DLSConfig.from_dict(meta["config"]).enabled  # bfloat16: no scaling

@@ -159,6 +159,23 @@ def _check_number(flag: str, value: float | None, *, positive: bool = False) -> 
         raise typer.BadParameter(f"expected {want}, got {value!r}", param_hint=flag)
 
 
+def _read_config_file(config: Path, modelzoo_model: str | None) -> Any:
+    """``DLSConfig.from_yaml``, with what the reader warns about (a Model Zoo default it had to
+    guess, a dropped scale) written to stderr as ``warning: ...`` lines: the command silences
+    Python's warnings (`_quiet_command`), and these are about the user's file."""
+    import warnings
+
+    from dlspass.config import DLSConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = DLSConfig.from_yaml(str(config), modelzoo_model=modelzoo_model)
+    for w in caught:
+        if issubclass(w.category, UserWarning):
+            typer.echo(f"warning: {one_line(str(w.message), 2000)}", err=True)
+    return cfg
+
+
 def _quiet_command(fn: Any) -> Any:
     """Register ``fn`` as a command that runs with torch's logging and warnings silenced: stderr
     stays one line."""
@@ -295,8 +312,7 @@ def transform(
     if modelzoo_model is not None and config is None:
         raise typer.BadParameter("names the model of a --config file; give --config too",
                                  param_hint="--modelzoo-model")
-    base = (DLSConfig.from_yaml(str(config), modelzoo_model=modelzoo_model) if config is not None
-            else DLSConfig())
+    base = _read_config_file(config, modelzoo_model) if config is not None else DLSConfig()
     try:
         cfg = base.with_overrides(**overrides)
     except ConfigError as e:  # the config's own check, reported against the flag
