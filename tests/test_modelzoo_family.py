@@ -152,6 +152,13 @@ def test_cli_warns_once_for_an_unnamed_family_and_takes_the_flag(tmp_path, capsy
     assert "--modelzoo-model" in family[0]
     _, meta = load_program(out)
     assert meta["config"]["fp16_type"] == "float16" and DLSConfig.from_dict(meta["config"]).dynamic
+    # a command that fails after reading the file keeps stderr to its one error line
+    bad = tmp_path / "native.onnx"
+    assert cf.cli("transform", cf.joint_file("mlp"), "-o", bad, "--config", cfg_file,
+                  "--precision-mode", "native") == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--precision-mode" in err, err
+    assert not bad.exists()
     named = tmp_path / "gpt2.pt2"
     assert cf.cli("transform", cf.joint_file("mlp"), "-o", named, "--config", cfg_file,
                   "--modelzoo-model", "gpt2") == 0

@@ -159,10 +159,11 @@ def _check_number(flag: str, value: float | None, *, positive: bool = False) -> 
         raise typer.BadParameter(f"expected {want}, got {value!r}", param_hint=flag)
 
 
-def _read_config_file(config: Path, modelzoo_model: str | None) -> Any:
-    """``DLSConfig.from_yaml``, with what the reader warns about (a Model Zoo default it had to
-    guess, a dropped scale) written to stderr as ``warning: ...`` lines: the command silences
-    Python's warnings (`_quiet_command`), and these are about the user's file."""
+def _read_config_file(config: Path, modelzoo_model: str | None) -> tuple[Any, list[str]]:
+    """``DLSConfig.from_yaml`` and what the reader warned about (a Model Zoo default it had to
+    guess, a dropped scale), as ``warning: ...`` lines: the command silences Python's warnings
+    (`_quiet_command`), and these are about the user's file. The caller prints them once the
+    command succeeded, so that a failing command's stderr stays its one error line."""
     import warnings
 
     from dlspass.config import DLSConfig
@@ -170,10 +171,9 @@ def _read_config_file(config: Path, modelzoo_model: str | None) -> Any:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = DLSConfig.from_yaml(str(config), modelzoo_model=modelzoo_model)
-    for w in caught:
-        if issubclass(w.category, UserWarning):
-            typer.echo(f"warning: {one_line(str(w.message), 2000)}", err=True)
-    return cfg
+    notes = [f"warning: {one_line(str(w.message), 2000)}" for w in caught
+             if issubclass(w.category, UserWarning)]
+    return cfg, notes
 
 
 def _quiet_command(fn: Any) -> Any:
@@ -312,7 +312,8 @@ def transform(
     if modelzoo_model is not None and config is None:
         raise typer.BadParameter("names the model of a --config file; give --config too",
                                  param_hint="--modelzoo-model")
-    base = _read_config_file(config, modelzoo_model) if config is not None else DLSConfig()
+    base, notes = (_read_config_file(config, modelzoo_model) if config is not None
+                   else (DLSConfig(), []))
     try:
         cfg = base.with_overrides(**overrides)
     except ConfigError as e:  # the config's own check, reported against the flag
@@ -335,7 +336,7 @@ def transform(
         if fmt != "onnx":
             raise typer.BadParameter("an .onnx input can only be written as .onnx", param_hint="--to")
         transform_onnx(src, out, cfg)
-        print(f"wrote {printable(str(out))}", file=sys.stderr)
+        print(*notes, f"wrote {printable(str(out))}", sep="\n", file=sys.stderr)
         return
     ep, meta = load_program(src)
     # ONNX output keeps the op here: save_step_onnx writes it in its float-arithmetic form
@@ -347,7 +348,7 @@ def transform(
         save_step_onnx(step, step_meta, out)
     else:
         save_program(step, out, step_meta)
-    print(f"wrote {printable(str(out))}", file=sys.stderr)
+    print(*notes, f"wrote {printable(str(out))}", sep="\n", file=sys.stderr)
 
 
 @_quiet_command
