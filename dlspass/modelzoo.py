@@ -17,8 +17,8 @@ Three layouts are understood:
 
 What an absent key means depends on the Model Zoo release that runs the file (``fp16_type``
 became bfloat16 by default in 2.4, ``log_loss_scale`` follows ``loss_scaling_factor`` since 2.5,
-GPT-style models defaulted to bfloat16 from 1.7 to 2.2): `ModelZooRules` holds those rules per
-release, read from each release's code; docs/MODELZOO.md lists them with their sources. Without
+GPT-style models defaulted to bfloat16 from 1.7 to 2.2, and in 2.2 every model with a config
+class): `ModelZooRules` holds those rules per release, read from each release's code; docs/MODELZOO.md lists them with their sources. Without
 ``modelzoo_release`` the newest release's rules apply (what running the file on Model Zoo today
 does), unless the file uses keys only older releases read (``use_bfloat16``,
 ``csconfig.use_cbfloat16``, ``model.precision_opt_level``): then it is read as a 2.0 file.
@@ -49,7 +49,7 @@ from dlspass.errors import InputValueError
 from dlspass.files.bounded_yaml import load_yaml
 from dlspass.files.near_miss import near_miss
 from dlspass.modelzoo_releases import (
-    GPT_DEFAULTS,
+    BFLOAT16_DEFAULTS,
     LATEST_RELEASE,
     ModelZooRules,
     model_from_params,
@@ -361,7 +361,7 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
     enabled = values.get("enabled", True)
     fp16_type = values.get("fp16_type") or rules.default_fp16_type()
     loss_scale = values.get("loss_scaling_factor", 1.0)
-    if enabled and not values.get("fp16_type") and rules.model is None and rules.release in GPT_DEFAULTS:
+    if enabled and not values.get("fp16_type") and rules.model is None and rules.release in BFLOAT16_DEFAULTS:
         _warn_family_unknown(src, rules, fp16_type, loss_scale)
     if enabled and fp16_type == "cbfloat16" and loss_scale != "dynamic":
         got = (f"got {excerpt(values['loss_scaling_factor'])}" if "loss_scaling_factor" in values
@@ -398,13 +398,14 @@ def _build(values: dict[str, Any] | None, src: str, dls: str, rules: ModelZooRul
 def _warn_family_unknown(src: str, rules: ModelZooRules, fp16_type: str, loss_scale: Any) -> None:
     """One warning naming every setting whose default depends on the model family, which the file
     does not say (1.7-2.2: GPT-style models default the half format to bfloat16 in their
-    ``set_defaults``, and their runners then drop a dynamic scale: "No need to use DLS for loss
-    when ``use_bfloat16`` is set", R_1.7 ``pytorch_base_runner.py``, 1.8-1.9
-    ``PyTorchBaseModel.py`` / ``run_cstorch_flow.py``, 2.0-2.2 ``run_cstorch_flow.py``)."""
-    gpt = ", ".join(sorted(GPT_DEFAULTS[rules.release]))
-    settings = [f"the half format is not named, read as {fp16_type} (bfloat16 for {gpt})"]
+    ``set_defaults``, 2.2 also every model with a config class (`BFLOAT16_DEFAULTS`), and the
+    runners then drop a dynamic scale: "No need to use DLS for loss when ``use_bfloat16`` is
+    set", R_1.7 ``pytorch_base_runner.py``, 1.8-1.9 ``PyTorchBaseModel.py`` /
+    ``run_cstorch_flow.py``, 2.0-2.2 ``run_cstorch_flow.py``)."""
+    models = ", ".join(sorted(BFLOAT16_DEFAULTS[rules.release]))
+    settings = [f"the half format is not named, read as {fp16_type} (bfloat16 for {models})"]
     if loss_scale == "dynamic":
-        settings.append("optimizer.loss_scaling_factor: dynamic is kept (with a GPT-style model's "
+        settings.append("optimizer.loss_scaling_factor: dynamic is kept (with those models' "
                         "bfloat16 Model Zoo drops it and trains without loss scaling)")
     warnings.warn(f"{src}the model family is not named and Model Zoo {_name(rules)} defaults "
                   f"{len(settings)} setting{'s' if len(settings) > 1 else ''} per model: "

@@ -26,6 +26,23 @@ GPT_DEFAULTS = {
              "mpt", "santacoder", "jais"},
 }
 
+# 2.2.0 / 2.2.1 only: before run.py's set_defaults, common/utils/run/cli_parser.py
+# get_params_from_args replaces the params with `asdict` of the config class registered for the
+# run.py's directory (config_manager/config_loader.py validate_config_params), which fills every
+# absent model key with its default: config_classes/base/model_config.py `ModelConfig.fp16_type =
+# "bfloat16"` for these models; t5/config.py overrides it with "float16" (transformer inherits
+# T5Config); models without a config class (fc_mnist, layers_api_demo) keep half_dtype.py's float16.
+CONFIG_CLASS_BFLOAT16 = frozenset({
+    "bert", "bloom", "btlm", "classifier", "dit", "dpo", "dpr", "esm2", "extractive_summarization",
+    "falcon", "gpt2", "gpt3", "gpt_inference", "gptj", "jais", "llama", "llava", "mistral", "mpt",
+    "santacoder", "starcoder", "token_classifier", "vision_transformer",
+})
+# The models whose legacy file without a half format runs in bfloat16, per release.
+BFLOAT16_DEFAULTS = {
+    release: models | (CONFIG_CLASS_BFLOAT16 if release == (2, 2) else frozenset())
+    for release, models in GPT_DEFAULTS.items()
+}
+
 
 GPT_STYLE = "gpt-style"
 """The model family a legacy file names through its GPT data processor (`model_from_params`):
@@ -53,8 +70,8 @@ class ModelZooRules:
             # trainer/callbacks/precision.py: MixedPrecision(fp16_type="float16") in 2.3,
             # "bfloat16" from 2.4 on; legacy files go through the same callback.
             return "bfloat16" if self.release >= (2, 4) else "float16"
-        if self.release in GPT_DEFAULTS and (
-                self.model == GPT_STYLE or self.model in GPT_DEFAULTS[self.release]):
+        if self.release in BFLOAT16_DEFAULTS and (
+                self.model == GPT_STYLE or self.model in BFLOAT16_DEFAULTS[self.release]):
             return "bfloat16"
         return "float16"
 
@@ -107,27 +124,32 @@ class ModelZooRules:
 def model_from_path(path: str | Path) -> str | None:
     """The model directory of a config inside a Model Zoo checkout, else None.
 
-    Every release keeps a model's configs in ``<model>/configs/`` (R_1.7.1
+    Every release keeps a model's configs in ``<model>/configs/`` or a subfolder of it (R_1.7.1
     ``modelzoo/transformers/pytorch/gpt2/configs/params_gpt2_small.yaml``, 2.2
     ``src/cerebras/modelzoo/models/nlp/gpt2/configs/...``, fine-tuning tasks one level deeper,
     ``bert/fine_tuning/qa/configs``, whose defaults are bert's).
     """
-    parts = Path(path).parts
-    if len(parts) < 3 or parts[-2] != "configs":
+    parts = Path(path).parts[:-1]
+    # the innermost configs/ folder: configs of one model may sit in subfolders of it
+    # (2.2 gpt3/configs/Cerebras_GPT/111m.yaml, 1.9 gpt3/configs/muP/...)
+    inner = [i for i, p in enumerate(parts) if p == "configs"]
+    if not inner:
         return None
-    up = [p for p in reversed(parts[:-2]) if p not in _TASK_DIRS]
+    up = [p for p in reversed(parts[:inner[-1]]) if p not in _TASK_DIRS]
     return up[0] if up else None
 
 
 def model_from_params(data: object) -> str | None:
-    """`GPT_STYLE` when a legacy file's ``train_input`` or ``eval_input`` reads its data with a
-    GPT data processor (``GptHDF5DataProcessor``, ``GptHDF5MapDataProcessor``,
-    ``GptTfRecordsProcessor``), else None.
+    """The family a legacy file's ``train_input`` or ``eval_input`` data processor names, else
+    None: `GPT_STYLE` for a GPT data processor (``GptHDF5DataProcessor``,
+    ``GptHDF5MapDataProcessor``, ``GptTfRecordsProcessor``), ``dpr`` for ``DPRHDF5DataProcessor``.
 
-    In every release from R_1.7.1 to 2.2.1 each config naming such a processor sits in the
+    In every release from R_1.7.1 to 2.2.1 each config naming a GPT processor sits in the
     directory of a model of `GPT_DEFAULTS` (``git grep 'data_processor: "Gpt'`` over those tags:
-    gpt2, gpt3, gptj, bloom, falcon, llama, btlm, starcoder, mistral, mpt, santacoder, jais), so
-    the file says its family even when it is read outside a checkout.
+    gpt2, gpt3, gptj, bloom, falcon, llama, btlm, starcoder, mistral, mpt, santacoder, jais), and
+    the configs naming ``DPRHDF5DataProcessor`` (2.2.0 on) are DPR's training configs
+    (``dpr/configs/``; DPR's embedding generation reads ``DPREmbedGen*`` processors), so the file
+    says its family even when it is read outside a checkout.
     """
     if not isinstance(data, dict):
         return None
@@ -136,6 +158,8 @@ def model_from_params(data: object) -> str | None:
         proc = body.get("data_processor") if isinstance(body, dict) else None
         if isinstance(proc, str) and proc.startswith("Gpt"):
             return GPT_STYLE
+        if proc == "DPRHDF5DataProcessor":
+            return "dpr"
     return None
 
 

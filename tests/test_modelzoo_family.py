@@ -14,7 +14,13 @@ import yaml
 
 from dlspass.capture.pt2_io import load_program
 from dlspass.config import DLSConfig
-from dlspass.modelzoo_releases import GPT_DEFAULTS, GPT_STYLE, model_from_params, modelzoo_rules
+from dlspass.modelzoo_releases import (
+    BFLOAT16_DEFAULTS,
+    GPT_STYLE,
+    model_from_params,
+    model_from_path,
+    modelzoo_rules,
+)
 
 # R_1.7.1 gpt2/utils.py set_defaults: model.use_bfloat16 defaults to True (L35)
 LEGACY = ("model:\n  mixed_precision: true\noptimizer:\n  loss_scaling_factor: 1.0\n"
@@ -69,26 +75,29 @@ def test_model_from_params_reads_only_the_gpt_processors():
 
 # ---- real configs whose defaults depend on the family (tests/data/modelzoo_facts.yaml) ----------
 # The facts record what each release's runner does with the file in its model's checkout. The
-# cases here are the legacy facts of GPT-style models, releases 1.7-2.2, that name no half format
-# (model.fp16_type / use_bfloat16): their half format, whether Model Zoo keeps the dynamic scale,
+# cases here are the legacy facts of releases 1.7-2.2 that name no half format (model.fp16_type /
+# use_bfloat16) and whose model defaults it to bfloat16 (GPT-style models; in 2.2 every model with
+# a config class, DPR's among them): their half format, whether Model Zoo keeps the dynamic scale,
 # whether it logs the scale and whether mixed precision is on are read with the family.
 FACTS = yaml.safe_load((Path(__file__).parent / "data" / "modelzoo_facts.yaml")
                        .read_text(encoding="utf-8"))["facts"]
 FAMILY_CASES = [
     (fact, release) for fact in FACTS for release in fact["releases"]
-    if fact["layout"] == "legacy" and modelzoo_rules(release).release in GPT_DEFAULTS
-    and fact["model"] in GPT_DEFAULTS[modelzoo_rules(release).release]
+    if fact["layout"] == "legacy" and modelzoo_rules(release).release in BFLOAT16_DEFAULTS
+    and fact["model"] in BFLOAT16_DEFAULTS[modelzoo_rules(release).release]
     and not {"fp16_type", "use_bfloat16"} & set(fact["config"].get("model", {}))
 ]
 FAMILY_IDS = [f"{f['id']}@{r}" for f, r in FAMILY_CASES]
 
 
-def test_the_family_cases_are_the_gpt_configs_without_a_half_format():
+def test_the_family_cases_are_the_bfloat16_models_configs_without_a_half_format():
     assert FAMILY_IDS == [
         "R_1.7.0/gpt2/params_gpt2_small_ws@R_1.7.0", "R_1.7.0/gpt2/params_gpt2_small_ws@R_1.7.1",
         "R_1.7.0/gpt2/params_gpt2_small@R_1.7.0", "R_1.7.0/gpt2/params_gpt2_small@R_1.7.1",
         "R_1.7.1/gpt2/params_gpt2_xl@R_1.7.1", "R_1.7.1/gpt3/params_gpt3_xl@R_1.7.1",
-        "R_1.7.1/gptj/params_gptj_6B@R_1.7.1", "Release_1.9.1/llama/params_llama_7b@Release_1.9.1"]
+        "R_1.7.1/gptj/params_gptj_6B@R_1.7.1", "Release_1.9.1/llama/params_llama_7b@Release_1.9.1",
+        "Release_2.2.0/dpr/params_dpr_base_nq@Release_2.2.0",
+        "Release_2.2.0/dpr/params_dpr_base_nq@Release_2.2.1"]
 
 
 def _read(data: dict, release: str, **kw) -> tuple[DLSConfig, list[str]]:
@@ -114,8 +123,9 @@ def test_real_family_configs_named_inferred_or_warned(fact, release):
     named, msgs = _read(fact["config"], release, modelzoo_model=fact["model"])
     _check_defaults(named, exp)
     assert not [m for m in msgs if "model family is not named" in m]
-    # inferred from the file (its GPT data processor), outside any checkout: the same
-    with_processor = {**fact["config"], "train_input": {"data_processor": "GptHDF5DataProcessor"}}
+    # inferred from the file (its model's data processor), outside any checkout: the same
+    processor = "DPRHDF5DataProcessor" if fact["model"] == "dpr" else "GptHDF5DataProcessor"
+    with_processor = {**fact["config"], "train_input": {"data_processor": processor}}
     inferred, msgs = _read(with_processor, release)
     assert inferred == named
     assert not [m for m in msgs if "model family is not named" in m]
@@ -169,3 +179,80 @@ def test_cli_warns_once_for_an_unnamed_family_and_takes_the_flag(tmp_path, capsy
     _, meta = load_program(named)
     assert meta["config"]["fp16_type"] == "bfloat16"
     assert not DLSConfig.from_dict(meta["config"]).enabled  # bfloat16: no scaling
+
+
+# ---- 2.2: the config class's default (issue 34, item 6) -----------------------------------------
+# Release_2.2.0/2.2.1 cli_parser.py get_params_from_args replaces the params with asdict() of the
+# config class registered for the run.py's directory before set_defaults runs, so an absent
+# model.fp16_type is ModelZooConfig's "bfloat16" for every model with a config class, "float16"
+# for t5 and transformer (t5/config.py), and half_dtype.py's "float16" for the models without one.
+@pytest.mark.parametrize(("model", "fp16_type"), [
+    ("bert", "bfloat16"), ("dpr", "bfloat16"), ("esm2", "bfloat16"), ("vision_transformer", "bfloat16"),
+    ("token_classifier", "bfloat16"), ("t5", "float16"), ("transformer", "float16"),
+    ("fc_mnist", "float16"), ("layers_api_demo", "float16"),
+])
+def test_2_2_defaults_the_half_format_by_config_class(model, fp16_type):
+    data = {"model": {"mixed_precision": True}, "optimizer": {"loss_scaling_factor": "dynamic"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bfloat16 drops the dynamic scale, with a warning
+        cfg = DLSConfig.from_dict(copy.deepcopy(data), modelzoo_release="2.2.1", modelzoo_model=model)
+    assert (cfg.fp16_type, cfg.dynamic) == (fp16_type, fp16_type == "float16")
+    # 2.1 had no config classes: only GPT-style models default bfloat16 there
+    if model in ("bert", "esm2", "t5"):
+        assert DLSConfig.from_dict(copy.deepcopy(data), modelzoo_release="2.1",
+                                   modelzoo_model=model).fp16_type == "float16"
+
+
+def test_unnamed_2_2_family_warning_lists_the_config_class_models():
+    data = {"model": {"mixed_precision": True}, "optimizer": {"loss_scaling_factor": "dynamic"}}
+    cfg, msgs = _read(data, "2.2.0")
+    assert cfg.fp16_type == "float16" and cfg.dynamic
+    assert len(msgs) == 1
+    assert "bfloat16 for bert, bloom," in msgs[0] and "dpr" in msgs[0] and "t5" not in msgs[0]
+
+
+def test_model_from_params_reads_the_dpr_processor_only():
+    assert model_from_params({"train_input": {"data_processor": "DPRHDF5DataProcessor"}}) == "dpr"
+    # embedding generation (its own run.py, no config class in 2.2.0) is not DPR training
+    assert model_from_params({"eval_input": {"data_processor": "DPREmbedGenHDF5DataProcessor"}}) is None
+
+
+@pytest.mark.parametrize(("path", "model"), [
+    ("modelzoo/transformers/pytorch/gpt2/configs/params_gpt2_small.yaml", "gpt2"),
+    # configs in a subfolder of configs/ (Release_2.2.0 gpt3/configs/Cerebras_GPT/111m.yaml)
+    ("src/cerebras/modelzoo/models/nlp/gpt3/configs/Cerebras_GPT/111m.yaml", "gpt3"),
+    ("modelzoo/transformers/pytorch/bert/fine_tuning/qa/configs/bert_base_squad.yaml", "bert"),
+    ("src/cerebras/modelzoo/models/nlp/dpr/configs/params_dpr_base_nq.yaml", "dpr"),
+    ("params.yaml", None), ("configs/params.yaml", None), ("somewhere/else/params.yaml", None),
+])
+def test_model_from_path_finds_the_model_above_the_innermost_configs(path, model):
+    assert model_from_path(path) == model
+
+
+def test_a_nested_gpt_config_in_its_checkout_needs_no_family(tmp_path):
+    f = tmp_path / "gpt3" / "configs" / "Cerebras_GPT" / "params.yaml"
+    f.parent.mkdir(parents=True)
+    f.write_text(LEGACY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the path names the model: no "not named" warning
+        cfg = DLSConfig.from_yaml(str(f), modelzoo_release="1.9")
+    assert cfg.fp16_type == "bfloat16"
+
+
+# ---- the settings that do not depend on the family -------------------------------------------
+# Whether the scale is logged and whether mixed precision is on: no release's runner takes a
+# model-specific default for them (docs/MODELZOO.md, "Model family" lists what was checked), so a
+# legacy fact reads the same with its model named, inferred from its checkout path, and unknown.
+LEGACY_CASES = [(fact, release) for fact in FACTS for release in fact["releases"]
+                if fact["layout"] == "legacy"]
+
+
+@pytest.mark.parametrize(("fact", "release"), LEGACY_CASES,
+                         ids=[f"{f['id']}@{r}" for f, r in LEGACY_CASES])
+def test_log_and_mixed_precision_do_not_depend_on_the_family(fact, release):
+    exp = {**fact["expected"], **fact.get("expected_by_release", {}).get(release, {})}
+    named, _ = _read(fact["config"], release, modelzoo_model=fact["model"])
+    unknown, _ = _read(fact["config"], release)
+    for cfg in (named, unknown):
+        assert cfg.log_loss_scale is exp["log_loss_scale"]
+        assert cfg.mixed_precision is exp["mixed_precision"]
