@@ -18,10 +18,11 @@ Three layouts are understood:
 What an absent key means depends on the Model Zoo release that runs the file (``fp16_type``
 became bfloat16 by default in 2.4, ``log_loss_scale`` follows ``loss_scaling_factor`` since 2.5,
 GPT-style models defaulted to bfloat16 from 1.7 to 2.2, and in 2.2 every model with a config
-class): `ModelZooRules` holds those rules per release, read from each release's code; docs/MODELZOO.md lists them with their sources. Without
-``modelzoo_release`` the newest release's rules apply (what running the file on Model Zoo today
-does), unless the file uses keys only older releases read (``use_bfloat16``,
-``csconfig.use_cbfloat16``, ``model.precision_opt_level``): then it is read as a 2.0 file.
+class): `ModelZooRules` holds those rules per release, read from each release's code;
+docs/MODELZOO.md lists them with their sources. Without ``modelzoo_release`` the newest release's
+rules apply (what running the file on Model Zoo today does), unless the file uses keys only older
+releases read (``use_bfloat16``, ``csconfig.use_cbfloat16``, ``model.precision_opt_level``): then
+it is read as a 2.0 file.
 
 Model Zoo configs are full of unrelated keys (learning rates, model sizes, data paths): those are
 ignored. Inside the precision settings every key must be known and well typed; mistakes are a
