@@ -40,6 +40,11 @@ passes derive theirs from it."""
 Float8Recipe = Literal["tensorwise", "rowwise"]
 """How a float8 step scales each matmul operand: one scale per tensor, or one per row."""
 FLOAT8_RECIPES: tuple[str, ...] = get_args(Float8Recipe)
+TelemetryWatch = Literal["default", "all"]
+"""What the numerics telemetry watches: ``default`` (what ``telemetry=True`` means) the scaled
+gradients and, in a float8 step, each float8 cast of a matmul operand; ``all`` adds every
+lowered 16-bit op's output (each read once more: the costly part, tools/bench/RESULTS.md)."""
+TELEMETRY_WATCHES: tuple[str, ...] = get_args(TelemetryWatch)
 
 
 class ConfigError(InputValueError):
@@ -126,9 +131,11 @@ class DLSConfig:
     autocast expects, and emulate for cbfloat16, which has no dtype outside Cerebras hardware
     (`lowering_mode` is the mode in effect). ``telemetry`` (off by default; Model Zoo has no
     key for it): the step front ends (``dlspass.compile``, ``capture_step``) count, in the
-    step's own kernels, where each scaled gradient and each lowered op's output lands in
-    ``fp16_type`` (amax, flushed, subnormal, overflow), kept on the device until
-    ``step.telemetry.read()``; it changes no value the step computes. ``float8`` (off by
+    step's own kernels, where each scaled gradient lands in ``fp16_type`` (amax, flushed,
+    subnormal, overflow) and, in a float8 step, what each matmul operand's float8 cast
+    saturates and flushes, kept on the device until ``step.telemetry.read()``; it changes no
+    value the step computes. ``True`` (or ``"default"``) watches those; ``"all"`` adds each
+    lowered op's output (`TelemetryWatch`; `telemetry_watch` is the list in effect). ``float8`` (off by
     default): ``"tensorwise"`` or ``"rowwise"`` runs the step's matmuls, forward and backward,
     in float8 with one scale per tensor or per row computed from its amax, torchao's recipes
     (``LowerMatmulsToFloat8Pass``, README "float8"); the rest of the step stays as the other
@@ -160,7 +167,7 @@ class DLSConfig:
     on_scale_floor: Literal["warn", "raise"] = "warn"
     log_loss_scale: bool = False
     precision_mode: PrecisionMode | None = None
-    telemetry: bool = False
+    telemetry: bool | TelemetryWatch = False
     float8: Float8Recipe | None = None
     extras: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -199,9 +206,12 @@ class DLSConfig:
         if self.max_gradient_norm is not None and self.max_gradient_value is not None:
             raise ConfigError("max_gradient_norm and max_gradient_value: set at most one of them")
         _choice("on_scale_floor", self.on_scale_floor, ("warn", "raise"), "action")
-        for name in ("mixed_precision", "consecutive_hysteresis", "log_loss_scale", "telemetry"):
+        for name in ("mixed_precision", "consecutive_hysteresis", "log_loss_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected a bool, got {excerpt(getattr(self, name))}")
+        if not isinstance(self.telemetry, bool) and self.telemetry not in TELEMETRY_WATCHES:
+            raise ConfigError(f"telemetry: expected a bool or one of {', '.join(TELEMETRY_WATCHES)}, "
+                              f"got {excerpt(self.telemetry)}")
         if self.precision_mode == "native" and self.mixed_precision and self.fp16_type not in NATIVE_FORMATS:
             raise ConfigError(f"precision_mode: 'native' needs a hardware dtype ({', '.join(NATIVE_FORMATS)}), "
                               f"not fp16_type={self.fp16_type!r}; use 'emulate'")
@@ -254,6 +264,14 @@ class DLSConfig:
         if self.initial_loss_scale is not None:
             return float(self.initial_loss_scale)
         return max(min(self.max_scale, self.defaults.initial_loss_scale), self.min_scale)
+
+    @property
+    def telemetry_watch(self) -> TelemetryWatch | None:
+        """The telemetry's watch list in effect: None (off), ``"default"`` (``telemetry=True``)
+        or ``"all"``."""
+        if self.telemetry is False:
+            return None
+        return "default" if self.telemetry is True else self.telemetry
 
     @property
     def lowering_mode(self) -> PrecisionMode:

@@ -36,13 +36,25 @@ FLOAT8_KEY = "dlspass_float8"
 ``"skipped: why"``; on the output and seed nodes (torch.export keeps the seed's) the decisions
 of all of them as JSON (`float8_decisions`)."""
 
+FLOAT8_CAST_KEY = "dlspass_float8_cast"
+"""On each float8 cast (the ``convert_element_type`` to float8; ``meta["custom"]``): JSON
+``{"amax": the amax node's name, "axis": the rowwise axis or null}``; the cast reads
+``clamp(mul(x32, scale), -max, max)`` (`float8_casts` reads it back for the telemetry)."""
+
+FLOAT8_OPERANDS_KEY = "dlspass_float8_operands"
+"""On each converted matmul's output: JSON ``{"matmul": the name of the matmul it replaced,
+"a": the first operand's float8 cast's name, "b": the second's}`` (a cast read transposed is
+the cast of the tensor itself; one cast may feed several matmuls)."""
+
 
 @dataclass
 class _Operand:
-    """One operand cast to float8: its data, its float32 scale (``x * scale`` is in range)."""
+    """One operand cast to float8: its data, its float32 scale (``x * scale`` is in range) and
+    the float8 cast node itself (``data`` may be a transposed view of it)."""
 
     data: fx.Node
     scale: fx.Node
+    cast: fx.Node
 
 
 class LowerMatmulsToFloat8Pass(DLSPass):
@@ -151,7 +163,8 @@ class LowerMatmulsToFloat8Pass(DLSPass):
                 rank = len(x.meta["val"].shape)
                 inner = cast(src, None if axis is None else 2 * rank - 3 - axis)
                 return _Operand(op(aten.transpose.int, inner.data, -2, -1),
-                                inner.scale if axis is None else op(aten.transpose.int, inner.scale, -2, -1))
+                                inner.scale if axis is None else op(aten.transpose.int, inner.scale, -2, -1),
+                                inner.cast)
             dtype = self.recipe.dtype_for(_is_grad(x, grad_side))
             key = (x, dtype, axis)
             if key not in cache:
@@ -175,6 +188,8 @@ class LowerMatmulsToFloat8Pass(DLSPass):
             custom = node.meta["custom"]
             roles.set_role(out, role, custom.get(roles.TARGET_KEY))
         out.meta.setdefault("custom", {})[FLOAT8_KEY] = self.recipe.name
+        out.meta["custom"][FLOAT8_OPERANDS_KEY] = json.dumps({"matmul": node.name, "a": qa.cast.name,
+                                                              "b": qb.cast.name})
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         return out
@@ -187,16 +202,18 @@ class LowerMatmulsToFloat8Pass(DLSPass):
         fp8_max = torch.finfo(dtype).max
         magnitude = op(aten.abs.default, x)
         if axis is None:
-            amax = op(aten.max.default, magnitude)
+            raw_amax = op(aten.max.default, magnitude)
         else:
-            amax = op(aten.amax.default, magnitude, [axis], True)
-        amax = op(aten.clamp.default, op(_CET, amax, torch.float64), EPS)
+            raw_amax = op(aten.amax.default, magnitude, [axis], True)
+        amax = op(aten.clamp.default, op(_CET, raw_amax, torch.float64), EPS)
         scale = op(_CET, op(aten.mul.Tensor, op(aten.reciprocal.default, amax), fp8_max), torch.float32)
         if self.recipe.pow2_scales:
             scale = op(aten.exp2.default, op(aten.floor.default, op(aten.log2.default, scale)))
         x32 = x if x.meta["val"].dtype == torch.float32 else op(_CET, x, torch.float32)
         scaled = op(aten.clamp.default, op(aten.mul.Tensor, x32, scale), -fp8_max, fp8_max)
-        return _Operand(op(_CET, scaled, dtype), scale)
+        cast = op(_CET, scaled, dtype)
+        cast.meta.setdefault("custom", {})[FLOAT8_CAST_KEY] = json.dumps({"amax": raw_amax.name, "axis": axis})
+        return _Operand(cast, scale, cast)
 
     def _scaled_mm(self, op: Any, qa: _Operand, qb: _Operand, out_dtype: torch.dtype, batched: bool) -> fx.Node:
         """``torch._scaled_mm`` on the float8 operands (it takes the inverse scales); the second
@@ -236,6 +253,45 @@ def float8_decisions(graph: fx.Graph) -> dict[str, dict[str, Any]]:
     those of the matmuls before the rewrite; empty when the pass did not run)."""
     raw = roles.recorded(graph, FLOAT8_KEY)
     return json.loads(raw) if raw else {}
+
+
+@dataclass(frozen=True)
+class Float8Cast:
+    """One float8 cast the pass inserted: ``x32`` (the operand in float32), ``scaled``
+    (``x32 * scale``, before the saturating clamp), ``cast`` (the float8 tensor), ``amax`` (the
+    operand's ``max |x|``: a scalar, or per row with ``axis``)."""
+
+    x32: fx.Node
+    scaled: fx.Node
+    cast: fx.Node
+    amax: fx.Node
+    axis: int | None
+
+
+def float8_casts(graph: fx.Graph) -> list[tuple[str, str, Float8Cast]]:
+    """``[(matmul name, "a" or "b", its operand's cast)]`` for every matmul `LowerMatmulsToFloat8Pass`
+    converted in ``graph``, in graph order (empty when it converted none)."""
+    by_name = {n.name: n for n in graph.nodes}
+    casts: dict[str, Float8Cast] = {}
+
+    def cast_named(name: str) -> Float8Cast:
+        if name not in casts:
+            node = by_name.get(name)
+            record = None if node is None else node.meta.get("custom", {}).get(FLOAT8_CAST_KEY)
+            if record is None:
+                raise PassContractError(f"float8: the cast {name!r} a converted matmul names is not in the graph")
+            info = json.loads(record)
+            scaled = node.args[0].args[0]  # cast(clamp(mul(x32, scale), ...)), as _cast builds it
+            casts[name] = Float8Cast(scaled.args[0], scaled, node, by_name[info["amax"]], info["axis"])
+        return casts[name]
+
+    found = []
+    for node in graph.nodes:
+        record = node.meta.get("custom", {}).get(FLOAT8_OPERANDS_KEY)
+        if record is not None:
+            info = json.loads(record)
+            found += [(info["matmul"], side, cast_named(info[side])) for side in ("a", "b")]
+    return found
 
 
 def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node]:

@@ -14,7 +14,7 @@ from stepgraph import MLP_GRAD_SUMS, eager_grads, gpt_step, mlp_step, node_value
 from tolerance import assert_close_reordered
 from torch import nn
 
-from dlspass.config import DLSConfig
+from dlspass.config import ConfigError, DLSConfig
 from dlspass.format_ranges import COUNT_FIELDS
 from dlspass.graph import roles
 from dlspass.passes import apply_dls
@@ -148,7 +148,7 @@ def test_lowered_op_outputs_equal_recomputing_the_op_in_eager(mode: str, make_st
                        min_loss_scale=2.0**-20)
     step = make_step(config)
     apply_dls(step.gm, config)
-    InsertTelemetryPass("float16")(step.gm)  # after the lowering, as the step pipeline runs it
+    InsertTelemetryPass("float16", watch="all")(step.gm)  # after the lowering, as the step pipeline runs it
     names = telemetry_names(step.gm.graph)
     lowered = [n for n in names if n.startswith("lowered:")]
     ops = [n for n in step.gm.graph.nodes if n.op == "call_function" and PrecisionPolicy().lowers(n.target)]
@@ -181,7 +181,7 @@ def test_gradients_a_lowered_matmul_rounded_have_no_flush_count(mode: str) -> No
                        min_loss_scale=2.0**-20)
     step = mlp_step(config)
     apply_dls(step.gm, config)
-    InsertTelemetryPass("float16")(step.gm)
+    InsertTelemetryPass("float16", watch="all")(step.gm)
     names = telemetry_names(step.gm.graph)
     grads = [n for n in names if n.startswith("grad:")]
     buffer = _buffer(step.gm)
@@ -197,6 +197,33 @@ def test_gradients_a_lowered_matmul_rounded_have_no_flush_count(mode: str) -> No
         if is_weight:
             want["flushed"] = math.nan
         assert _key(got[name]) == _key(want), name
+
+
+def test_the_default_watch_list_has_the_gradients_and_no_lowered_output() -> None:
+    """The default list leaves the lowered outputs (activation-sized, each one more read) to
+    ``watch="all"``; its gradient rows are those of ``all``; an unknown list is refused."""
+    config = DLSConfig(fp16_type="float16", precision_mode="emulate", initial_loss_scale=2.0**-14,
+                       min_loss_scale=2.0**-20)
+    got = {}
+    for watch in ("default", "all"):
+        step = mlp_step(config)
+        apply_dls(step.gm, config)
+        InsertTelemetryPass("float16", watch=watch)(step.gm)
+        names = telemetry_names(step.gm.graph)
+        buffer = _buffer(step.gm)
+        with torch.no_grad():
+            step.gm(*step.inputs(), buffer)
+        got[watch] = _read(names, buffer)
+    grads = {n: r for n, r in got["all"].items() if n.startswith("grad:")}
+    want = sorted(f"grad:{roles.target_of(n)}" for n in roles.nodes_with_role(step.gm.graph, roles.GRAD))
+    assert sorted(grads) == want and len(got["all"]) > len(grads)
+    assert _key_rows(got["default"]) == _key_rows(grads)
+    with pytest.raises(ConfigError, match="telemetry: unknown watch list 'some'; choose one of default, all"):
+        InsertTelemetryPass("float16", watch="some")  # type: ignore[arg-type]
+
+
+def _key_rows(rows: dict[str, dict[str, float]]) -> dict[str, dict[str, object]]:
+    return {n: _key(r) for n, r in rows.items()}
 
 
 def test_a_second_run_changes_nothing_and_no_grad_is_refused() -> None:
