@@ -21,7 +21,7 @@ from dlspass.float8_policy import Float8Filter
 from dlspass.graph import roles
 from dlspass.models import MHAGPT, SmallCNN, ce_loss
 from dlspass.passes import LowerMatmulsToFloat8Pass, apply_dls
-from dlspass.passes.lower_matmuls_to_float8_pass import MATMUL_OPS, float8_decisions
+from dlspass.passes.lower_matmuls_to_float8_pass import MATMUL_OPS, float8_casts, float8_decisions
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 from torchao.float8.float8_training_tensor import Float8TrainingTensor  # noqa: E402
@@ -255,6 +255,35 @@ def test_every_matmul_of_an_mha_gpt_converts_where_torchao_reaches_15_of_27() ->
 
 
 # ---- filter and decisions -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["emulate", "native"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_converted_matmul_names_its_operands_float8_casts(recipe: str, mode: str) -> None:
+    """What the telemetry reads (`float8_casts`): both operands of every converted matmul, each
+    the float8 cast of ``clamp(x32 * scale)`` with the amax its scale came from (checked on the
+    values: the recorded amax is ``max |x32|``, per row along the recorded axis for rowwise);
+    a tensorwise cast is shared by every matmul that reads the same tensor."""
+    step = _linear_step()
+    gm = apply_dls(step.gm, _f8(recipe, mode))
+    casts = float8_casts(gm.graph)
+    converted = sorted(k for k, d in float8_decisions(gm.graph).items() if d["float8"] == recipe)
+    assert sorted(mm for mm, side, _ in casts if side == "a") == converted
+    assert sorted(mm for mm, side, _ in casts if side == "b") == converted
+    unique = list(dict.fromkeys(c for _, _, c in casts))
+    for c in unique:
+        assert c.cast.args[1] in (torch.float8_e4m3fn, torch.float8_e5m2)
+        assert c.cast.args[0].target is aten.clamp.default and c.cast.args[0].args[0] is c.scaled
+        assert c.scaled.target is aten.mul.Tensor and c.scaled.args[0] is c.x32
+        assert (c.axis is None) == (recipe == "tensorwise")
+    values = node_values(gm, step.inputs(), [n for c in unique for n in (c.x32, c.amax)])
+    for i, c in enumerate(unique):
+        x32, amax = values[2 * i], values[2 * i + 1]
+        want = x32.abs().amax() if c.axis is None else x32.abs().amax(c.axis, keepdim=True)
+        assert torch.equal(amax, want)  # a max is exact: the same values in any order
+    if recipe == "tensorwise":
+        # 16 operands, 9 tensors: 3 layer inputs (forward and weight gradient), 3 weights
+        # (forward and input gradient), 3 output gradients (input and weight gradient)
+        assert len(casts) == 16 and len(unique) == 9
 
 def test_filter_skips_by_module_size_and_alignment_and_says_why() -> None:
     gm = _linear_step().gm
