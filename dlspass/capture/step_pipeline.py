@@ -19,7 +19,8 @@ Every front end that makes a whole training step (``capture_step``, ``dlspass.co
   ``"after_dls"`` (`AFTER_DLS`; the default, no attribute, is ``"before_dls"``), in their
   order: they see the step as DLS and the lowering left it, its 16-bit ops included. The
   numerics telemetry is one (``dlspass.capture.telemetry.Telemetry``, which
-  ``DLSConfig(telemetry=True)`` adds): it counts the lowered ops' outputs. A config asking for
+  ``DLSConfig(telemetry=True)`` adds): it counts the float8 casts and, with ``telemetry="all"``,
+  the lowered ops' outputs. A config asking for
   telemetry without a telemetry hook to feed and read it (the ``.pt2`` transform) is refused;
 - **verify**: ``dlspass.verify`` again whenever a post-pass or an after-DLS pass ran, so a
   rewrite after DLS that breaks an invariant is caught in every front end alike;
