@@ -243,11 +243,11 @@ def _float8_operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, w, c
 
 
-def _float8_config(recipe: str) -> dlspass.DLSConfig:
-    # float32 step (no 16-bit lowering), float16 DLS with a static-ish first scale: the
-    # backward's operands are LOSS_SCALE * c, the scaled gradient the float8 step casts
+def _float8_config(recipe: str, mode: str = "emulate") -> dlspass.DLSConfig:
+    # float32 step (no 16-bit lowering), float16 DLS starting at LOSS_SCALE: the backward's
+    # operands are LOSS_SCALE * c, the scaled gradient the float8 step casts
     return dlspass.DLSConfig(fp16_type="float16", mixed_precision=False, initial_loss_scale=LOSS_SCALE,
-                             float8=recipe, precision_mode="emulate", telemetry=True)
+                             float8=recipe, precision_mode=mode, telemetry=True)
 
 
 def _cast_counts(t: torch.Tensor, cast_config, axis: int, pow2: bool) -> dict[str, float]:
@@ -319,10 +319,13 @@ def _check_float8_rows(got: dict[str, dict[str, float]], want: dict[str, dict[st
     assert not any(n.startswith("lowered:") for n in got)  # the default list
 
 
+@pytest.mark.parametrize("mode", ["emulate", "native"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_float8_operand_counts_in_capture_step_equal_recomputing_the_casts_in_eager(recipe: str) -> None:
+def test_float8_operand_counts_in_capture_step_equal_recomputing_the_casts_in_eager(recipe: str, mode: str) -> None:
+    """Native (``torch._scaled_mm``) and emulated steps cast alike: the same rows."""
     model, opt, x, w, c = _float8_model()
-    step = dlspass.capture_step(model, lambda m, b: (m(b[0]) * b[1]).sum(), opt, (x, c), _float8_config(recipe))
+    step = dlspass.capture_step(model, lambda m, b: (m(b[0]) * b[1]).sum(), opt, (x, c),
+                                _float8_config(recipe, mode))
     step((x, c))
     got = step.telemetry.read()
     _check_float8_rows(got, _float8_want(recipe, step.graph_module.graph, x, w, c), recipe)
