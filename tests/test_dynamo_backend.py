@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -444,10 +445,12 @@ def test_inductor_compile_settings_come_from_the_signature_torch_has() -> None:
     assert dynamo_backend._compiler_config_extra(cfx, gm, sentinel).cudagraphs is not None
 
 
+@pytest.mark.parametrize("watch", [True, "all"])
 @pytest.mark.parametrize("how", ["options", "make_backend"])
-def test_telemetry_in_the_config_is_refused_not_ignored(how: str) -> None:
-    config = dlspass.DLSConfig(fp16_type="float16", telemetry=True)
-    msg = "telemetry=True is not supported by backend='dlspass'"
+def test_telemetry_in_the_config_is_refused_not_ignored(how: str, watch: bool | str) -> None:
+    config = dlspass.DLSConfig(fp16_type="float16", telemetry=watch)
+    # the message names the value the user gave
+    msg = re.escape(f"telemetry={watch!r} is not supported by backend='dlspass'")
     if how == "make_backend":
         with pytest.raises(ConfigError, match=msg):
             dlspass.make_backend(scaler=dlspass.GradScaler(config=config))

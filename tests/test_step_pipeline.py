@@ -196,6 +196,8 @@ def test_a_front_end_without_a_telemetry_hook_refuses_a_config_asking_for_teleme
     gm = clone_step_graph(step._traced)
     with pytest.raises(dlspass.StepCaptureError, match="telemetry=True: this step front end has no telemetry"):
         step_pipeline.run_step_pipeline(gm, CONFIG.with_overrides(telemetry=True))
+    with pytest.raises(dlspass.StepCaptureError, match="telemetry='all': this step front end has no telemetry"):
+        step_pipeline.run_step_pipeline(gm, CONFIG.with_overrides(telemetry="all"))
     step_pipeline.run_step_pipeline(gm, CONFIG)  # the same graph, without telemetry: fine
 
 

@@ -86,7 +86,7 @@ def validate_options(options: dict[str, Any] | None,
     if resolved is not None and resolved.telemetry:
         # the backend sees the model's graphs, not the step's: its gradients and lowered ops
         # are not one buffer a step could feed and read
-        raise ConfigError("dlspass backend: telemetry=True is not supported by backend='dlspass' "
+        raise ConfigError(f"dlspass backend: telemetry={resolved.telemetry!r} is not supported by backend='dlspass' "
                           "or make_backend; use dlspass.compile or dlspass.capture_step")
     return resolved or LOWERING, backend_compiler
 

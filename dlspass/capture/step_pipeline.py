@@ -117,7 +117,7 @@ def run_step_pipeline(
     phases = [pipeline_phase(p) for p in graph_passes]
     if config is not None and config.telemetry and not any(isinstance(p, Telemetry) for p in graph_passes):
         # never silently without it: the user asked for counts
-        raise StepCaptureError("telemetry=True: this step front end has no telemetry buffer to feed "
+        raise StepCaptureError(f"telemetry={config.telemetry!r}: this step front end has no telemetry buffer to feed "
                                "and read (dlspass.compile and capture_step have; a .pt2 step file "
                                "has not): set telemetry to false")
     if tag is not None:
