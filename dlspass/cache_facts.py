@@ -17,10 +17,12 @@ refuses them, in one line, where the facts differ.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,8 +33,8 @@ from torch._inductor.utils import parallel_num_threads
 
 from dlspass.errors import InputValueError
 
-__all__ = ["CacheFactsError", "CacheFactsPass", "cpu_facts", "inductor_key_config",
-           "load_cache_artifacts", "save_cache_artifacts"]
+__all__ = ["CacheFactsError", "CacheFactsPass", "code_fingerprint", "cpu_facts",
+           "inductor_key_config", "load_cache_artifacts", "save_cache_artifacts"]
 
 # the inductor hook dlspass takes for its key: it runs on every post-grad graph, forward and
 # backward alike, and no dlspass pass uses it for a rewrite
@@ -53,6 +55,21 @@ def cpu_facts() -> dict[str, Any]:
             "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": parallel_num_threads(),
             "torch": str(torch.__version__)}
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """A hash of dlspass's own source files (read once per process).
+
+    A cache key that names what the dlspass passes did by their configuration alone would serve
+    a graph rewritten by an older dlspass after an upgrade; with the code in the key an upgrade
+    is a miss (torch keys its own caches on its version and its source the same way).
+    """
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 class CacheFactsPass(CustomGraphPass):

@@ -26,11 +26,13 @@ from torch import Tensor
 from torch._dynamo import compiled_autograd
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import config as functorch_config
+from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._inductor import compile_fx as cfx
 from torch._inductor import config as inductor_config
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.output_code import OutputCode
 from torch._inductor.virtualized import V
 from torch._subclasses import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import enable_python_dispatcher
@@ -53,7 +55,8 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
                 bw_rewrite: Rewrite, backend_compiler: str, *, mutations_in_graph: bool = True,
                 inductor_config_extra: dict[str, Any] | None = None,
                 joint_rewrite: Callable[[fx.GraphModule], object] | None = None,
-                graph_config: Callable[[fx.GraphModule], dict[str, Any]] | None = None) -> Callable:
+                graph_config: Callable[[fx.GraphModule], dict[str, Any]] | None = None,
+                cache_key: str | None = None) -> Callable:
     """AOTAutograd over dynamo's graph, each AOT graph rewritten, then compiled.
 
     ``mutations_in_graph``: an inference graph keeps its input mutations as ``copy_`` nodes
@@ -66,6 +69,13 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
     dtypes. An inference graph has no joint graph: only ``fw_rewrite`` sees it.
     ``graph_config``: inductor settings read from each rewritten graph, on top of the others
     (the step's CUDA-graph decision); an empty dict leaves the compile as it was.
+    ``cache_key``: what the rewrites do, as a stable string (a `StepPlan`'s ``cache_key()``):
+    with it (and inductor) the compiled graphs are AOTAutograd-cacheable. The compilers are
+    then ``SerializableAOTDispatchCompiler``s returning inductor's ``OutputCode``, and the key
+    goes into inductor's config (the uuid of the CPU-facts pass, ``dlspass.cache_facts``) for
+    the whole AOTAutograd call, so AOTAutograd's key (dynamo's graph, its inputs, the configs)
+    names it: a warm process skips the joint trace, the rewrites and inductor. The rewrites
+    must then keep the graph's signature (a wrapper would be lost on a cache hit).
 
     For inductor this is inductor's own hand-off (``compile_fx``'s aot path): the joint graph
     is traced once with inductor's decompositions and partitioner, and the rewritten forward
@@ -76,6 +86,11 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
     ("Cannot view a tensor ...", or a stride assertion in the generated code).
     """
     kwargs: dict[str, Any] = {}
+    cacheable = cache_key is not None and backend_compiler != "eager"
+    # the CPU facts in every cache key (dlspass.cache_facts): an entry made under another vector
+    # ISA or thread count is a miss, never a wrong hit; with ``cache_key`` the rewrites too
+    key_config = {**INDUCTOR_CONFIG, **inductor_key_config(cache_key or ""),
+                  **(inductor_config_extra or {})}
     if backend_compiler == "eager":
         def compile_graph(g: fx.GraphModule, ex: list[Any], is_backward: bool,
                           is_inference: bool) -> Callable:
@@ -91,10 +106,7 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
                           is_inference: bool) -> Callable:
             DecomposeForInductorPass()(g)
             per_graph = graph_config(g) if graph_config is not None else {}
-            # the CPU facts in the cache key (dlspass.cache_facts): a cache entry made
-            # under another vector ISA or thread count is a miss, never a wrong hit
-            with inductor_config.patch({**INDUCTOR_CONFIG, **inductor_key_config(),
-                                        **(inductor_config_extra or {}), **per_graph}):
+            with inductor_config.patch({**key_config, **per_graph}):
                 # inductor reads its CUDA-graph switch into the per-graph settings when they
                 # are made: made again under the graph's own settings when it has any
                 graph_extra = compiler_config_extra(cfx, gm, inductor_config) if per_graph else extra
@@ -118,19 +130,31 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
             kwargs["partition_fn"] = functools.partial(
                 cfx.partition_fn, partitioner_fn_override=_after(
                     joint_rewrite, functools.partial(partitioner, compiler="inductor")))
+        if cacheable:  # the settings a loaded entry is post-compiled with, and keyed on
+            kwargs["compiler_config_extra"] = extra
     kwargs["keep_inference_input_mutations"] = mutations_in_graph and backend_compiler != "eager"
 
     def compiler(rewrite: Rewrite, is_backward: bool, is_inference: bool = False) -> Callable:
         def run(g: fx.GraphModule, ex: Any) -> Callable:
             ex, wrap = rewrite(g, list(ex))
-            return wrap(compile_graph(g, ex, is_backward, is_inference))
+            compiled = compile_graph(g, ex, is_backward, is_inference)
+            wrapped = wrap(compiled)
+            if cacheable and wrapped is not compiled:
+                # a cache hit would run the compiled graph without the wrapper
+                raise AssertionError("dlspass internal error: a cacheable rewrite changed the "
+                                     "graph's signature")
+            return wrapped
 
-        return run
+        # torch's marker of a compiler whose output (inductor's OutputCode) AOTAutograd caches
+        return SerializableAOTDispatchCompiler(OutputCode, run) if cacheable else run
 
     backend = aot_autograd(fw_compiler=compiler(fw_rewrite, False), bw_compiler=compiler(bw_rewrite, True),
                            inference_compiler=compiler(fw_rewrite, False, True), **kwargs)
     if backend_compiler == "eager":
         return backend(gm, example_inputs)
+    if cacheable:  # AOTAutograd's key reads inductor's config before anything compiles
+        with inductor_config.patch(key_config):
+            return _inductor_context(example_inputs, lambda: backend(gm, example_inputs))
     return _inductor_context(example_inputs, lambda: backend(gm, example_inputs))
 
 
@@ -164,19 +188,49 @@ def _inductor_context(example_inputs: list[Any], build: Callable[[], Callable]) 
 # ---- dlspass.compile's backend ---------------------------------------------------------------
 
 def step_backend(gm: fx.GraphModule, example_inputs: list[Any], *, plan: StepPlan,
-                 keep: Callable[[fx.GraphModule], object] | None = None) -> Callable:
+                 keep: Callable[[fx.GraphModule], object] | None = None,
+                 on_cache_hit: Callable[[Callable[[], None]], object] | None = None,
+                 cache: bool = True) -> Callable:
     """``dlspass.compile``'s ``torch.compile`` backend: AOTAutograd, the step pipeline of
     ``plan`` on the AOT step graph, then inductor (or eager, ``plan.backend_compiler``).
 
     The step has no backward graph of its own (its backward is traced into the forward), and
     the step graph keeps its mutations as outputs (``tag_aot_graph`` reads them). ``keep``
     receives each rewritten graph (``CompiledStep.graphs``, for inspection).
+
+    Warm start: where the plan has a cache key (``StepPlan.cache_key``) and ``cache`` is on,
+    AOTAutograd's cache serves the whole compiled step (``aot_backend``'s ``cache_key``). A
+    hit runs neither the pipeline nor ``keep``: ``on_cache_hit`` then receives a function that
+    makes the rewritten graph again for ``keep`` (the trace and the pipeline, without the
+    AOTAutograd cache; inductor's FX-graph cache serves the compile), for whoever asks for it.
     """
-    rewrite = functools.partial(_rewrite_step, plan=plan, keep=keep)
-    return aot_backend(gm, example_inputs, rewrite, rewrite, plan.backend_compiler,
-                       mutations_in_graph=False,
-                       inductor_config_extra=_step_inductor_config(example_inputs),
-                       graph_config=step_cudagraph_config)
+    kept: list[fx.GraphModule] = []
+
+    def keep_graph(g: fx.GraphModule) -> None:
+        kept.append(g)
+        if keep is not None:
+            keep(g)
+
+    rewrite = functools.partial(_rewrite_step, plan=plan, keep=keep_graph)
+    compiled = aot_backend(gm, example_inputs, rewrite, rewrite, plan.backend_compiler,
+                           mutations_in_graph=False,
+                           inductor_config_extra=_step_inductor_config(example_inputs),
+                           graph_config=step_cudagraph_config,
+                           cache_key=plan.cache_key() if cache else None)
+    if not kept and on_cache_hit is not None:
+        on_cache_hit(functools.partial(_graph_again, gm, list(example_inputs), plan, keep))
+    return compiled
+
+
+def _graph_again(gm: fx.GraphModule, example_inputs: list[Any], plan: StepPlan,
+                 keep: Callable[[fx.GraphModule], object] | None) -> None:
+    """The rewritten step graph of a step AOTAutograd's cache served, made again for ``keep``
+    (`step_backend`), outside dynamo: in a tracing context of its own, as inductor's
+    ``compile_fx`` does for a graph it is handed directly."""
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    context = torch._guards.TracingContext.try_get() or torch._guards.TracingContext(fake_mode)
+    with torch._guards.tracing(context):
+        step_backend(gm, example_inputs, plan=plan, keep=keep, cache=False)
 
 
 def step_cudagraph_config(gm: fx.GraphModule) -> dict[str, Any]:

@@ -98,16 +98,31 @@ class CompiledStep(StepRunner):
         super().__init__(plan, optimizer)
         self.fn = fn
         self.backend_compiler = plan.backend_compiler
-        self.graphs: list[fx.GraphModule] = []  # the rewritten AOT graphs, for inspection
+        self._graphs: list[fx.GraphModule] = []  # the rewritten AOT graphs, for inspection
+        # a warm start (AOTAutograd's cache served the step) makes its graph only when asked
+        self._graphs_pending: list[Callable[[], None]] = []
         dp = plan.data_parallel
         self.process_group = None if dp is None else dp.group
         self._broadcast_pending = broadcast_params and self.process_group is not None
         self._ctx = LiveOptimizer(optimizer, plan.scaler, plan.config, model)
         # the plan goes down to the backend, which runs the pipeline itself (dlspass.capture.aot)
-        backend = functools.partial(step_backend, plan=plan, keep=self.graphs.append)
+        backend = functools.partial(step_backend, plan=plan, keep=self._graphs.append,
+                                    on_cache_hit=self._graphs_pending.append)
         self._compiled = torch.compile(_own_frame(fn), backend=backend, fullgraph=True)
         functools.update_wrapper(self, fn)
         self.__signature__ = inspect.signature(fn)
+
+    @property
+    def graphs(self) -> list[fx.GraphModule]:
+        """The rewritten AOT step graphs, one per compile, for inspection.
+
+        A compile that AOTAutograd's cache served (a warm start, ``docs/COMPILE_TIME.md``) ran
+        no pipeline: its graph is made again here, on first access (a trace and the pipeline;
+        inductor's FX-graph cache serves the compile), so the list reads as after a cold start.
+        """
+        while self._graphs_pending:
+            self._graphs_pending.pop(0)()
+        return self._graphs
 
     def _param_names(self) -> dict[int, str]:
         return self._ctx.names

@@ -15,6 +15,9 @@ graph is built.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from dlspass.cache_facts import code_fingerprint
 from dlspass.capture.step_config import NO_SCALING, resolve_config
 from dlspass.capture.telemetry import Telemetry, step_telemetry
 from dlspass.config import ConfigError, DLSConfig
@@ -74,6 +78,43 @@ class StepPlan:
     def inputs(self) -> dict[str, Provider]:
         """The providers of every extra input the graph passes may add (`step_inputs`)."""
         return step_inputs(self.graph_passes, self.extra_inputs)
+
+    def cache_key(self) -> str | None:
+        """What the step pipeline does beyond the traced graph, as a stable hash; None where the
+        plan has no stable identity, so the compiled step must not be cached by it.
+
+        AOTAutograd's cache key hashes dynamo's graph (which holds the optimizer's math and the
+        role markers), its inputs' metadata and inductor's config; it cannot see what the
+        dlspass passes do to the graph afterwards. This key names that: the whole config
+        (format, scale policy, float8 recipe, precision mode, telemetry), the graph passes by
+        their ``uuid()`` and phase, the write-back and dlspass's own source
+        (``dlspass.cache_facts.code_fingerprint``), so another plan is a miss, never a wrong hit.
+
+        None (no caching) for a plan whose outcome the key cannot name or a cache hit could not
+        reproduce: a graph pass without a ``uuid()`` returning a string, extra inputs (their
+        providers feed the compiled graph through a wrapper a cache hit would not re-apply;
+        telemetry and fault injection add them), data parallelism (a process group is not a
+        value across processes) and a compiler other than inductor.
+        """
+        if (self.backend_compiler != "inductor" or self.data_parallel is not None
+                or self.inputs() or self.config is None):
+            return None
+        passes = []
+        for graph_pass in self.graph_passes:
+            uuid = getattr(graph_pass, "uuid", None)
+            uuid = uuid() if callable(uuid) else None
+            if not isinstance(uuid, str):
+                return None
+            passes.append([type(graph_pass).__qualname__, uuid,
+                           getattr(graph_pass, "pipeline_phase", None)])
+        try:
+            config = json.dumps(dataclasses.asdict(self.config), sort_keys=True)
+        except TypeError:  # a field that is not plain data: no stable identity
+            return None
+        text = json.dumps({"config": config, "passes": passes,
+                           "write_in_place": self.write_in_place, "code": code_fingerprint()},
+                          sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 def resolve_process_group(process_group: Any) -> Any:
