@@ -1,5 +1,5 @@
 """One process of tests/test_warm_start.py: compile a tiny DLS step with ``dlspass.compile``,
-train four steps (the second overflowing) and save what the step did and what torch's caches
+train six steps (the second overflowing) and save what the step did and what torch's caches
 counted.
 
 Run as ``python tests/warm_child.py OUT.pt VARIANT [save|load ARTIFACTS]``. ``VARIANT`` names
@@ -20,8 +20,8 @@ import dlspass
 from dlspass.cache_facts import load_cache_artifacts, save_cache_artifacts
 from dlspass.models import MLP, mse_train_step
 
-OVERFLOW_STEP = 1  # the second of four steps overflows: a skip, then clean steps after it
-STEPS = 4
+OVERFLOW_STEP = 1  # the second of six steps overflows: a skip, then clean steps after it
+STEPS = 6
 
 # the scaler's keyword arguments per variant: each differs from "base" in what the dlspass
 # passes do (the format, the scale policy's growth, the scale rule), not in the traced graph

@@ -1,0 +1,133 @@
+"""A second process's first call of a ``dlspass.compile`` step is served by AOTAutograd's cache,
+and trains bit-identically to the process that compiled it; another plan is a miss.
+
+AOTAutograd's key hashes dynamo's graph, its inputs and the configs, not what the dlspass
+passes do afterwards; ``StepPlan.cache_key`` puts that into the key (``dlspass.capture.aot``).
+Each process (tests/warm_child.py) compiles the same tiny MLP step and trains six steps, the
+second overflowing. Bit equality is the right comparison: a warm process runs the very kernels
+the cold one compiled (loaded from the cache), on the same inputs in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlspass import DLSConfig
+from dlspass.capture.step_plan import DataParallel, StepPlan
+from dlspass.capture.telemetry import Telemetry
+
+CHILD = Path(__file__).with_name("warm_child.py")
+ROOT = CHILD.parent.parent
+
+
+def _start(tmp: Path, name: str, variant: str, cache: str, *mega: str) -> tuple:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp / cache), "PYTHONPATH": str(ROOT)}
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    out = tmp / f"{name}.pt"
+    proc = subprocess.Popen([sys.executable, str(CHILD), str(out), variant, *mega], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return name, proc, out
+
+
+def _finish(started: list[tuple]) -> dict[str, dict]:
+    results = {}
+    for name, proc, out in started:
+        log, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"{name} failed:\n{log[-3000:]}"
+        results[name] = torch.load(out)
+    return results
+
+
+def _assert_same_training(got: dict, cold: dict, what: str) -> None:
+    for key in ("loss", "found_inf", "scale", "params"):
+        for i, (a, b) in enumerate(zip(got[key], cold[key], strict=True)):
+            # nan == nan where the overflow step's loss is not finite in both
+            assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all()), \
+                f"{what}: {key}[{i}] differs from the cold process: {a} vs {b}"
+    assert torch.equal(got["skipped"], cold["skipped"]), what
+
+
+def test_a_second_process_hits_aotautograd_and_another_plan_misses(tmp_path):
+    art = str(tmp_path / "artifacts.bin")
+    cold = _finish([_start(tmp_path, "cold", "base", "shared", "save", art)])["cold"]
+    assert cold["counts"]["aot_autograd.autograd_cache_miss"] == 1, cold["counts"]
+    assert cold["counts"]["aot_autograd.autograd_cache_bypass"] == 0, cold["counts"]
+    assert [bool(f) for f in cold["found_inf"]] == [i == 1 for i in range(6)]  # one skip
+    res = _finish([_start(tmp_path, "warm", "base", "shared"),
+                   # only the mega-cache file warms this folder (another machine of this kind)
+                   _start(tmp_path, "loaded", "base", "fresh", "load", art),
+                   _start(tmp_path, "bfloat16", "bfloat16", "shared"),
+                   _start(tmp_path, "growth", "growth", "shared"),
+                   _start(tmp_path, "static", "static", "shared")])
+    for name in ("warm", "loaded"):
+        counts = res[name]["counts"]
+        # the whole step from AOTAutograd's cache: no joint trace, no dlspass pass, no inductor
+        assert counts["aot_autograd.autograd_cache_hit"] >= 1, (name, counts)
+        assert counts["aot_autograd.autograd_cache_miss"] == 0, (name, counts)
+        assert counts["inductor.fxgraph_cache_miss"] == 0, (name, counts)
+        _assert_same_training(res[name], cold, name)
+        # the rewritten graph is still there for inspection (made again on access)
+        assert res[name]["n_graphs"] == 1, name
+    # another format, scale growth or scale rule: a miss, never the base plan's step
+    for name in ("bfloat16", "growth", "static"):
+        counts = res[name]["counts"]
+        assert counts["aot_autograd.autograd_cache_hit"] == 0, (name, counts)
+        assert counts["aot_autograd.autograd_cache_miss"] == 1, (name, counts)
+    # and each trained as its own plan: the scale grows back one clean step later with
+    # steps_per_increase 3 than with 2, a static scale never moves
+    assert _first_growth(cold["scale"]) + 1 == _first_growth(res["growth"]["scale"]), \
+        (cold["scale"], res["growth"]["scale"])
+    assert [float(s) for s in res["static"]["scale"]] == [1024.0] * len(cold["scale"])
+
+
+def _first_growth(scales: list[torch.Tensor]) -> int:
+    """The index of the first step whose scale is above the one before it."""
+    values = [float(s) for s in scales]
+    return next(i for i in range(1, len(values)) if values[i] > values[i - 1])
+
+
+def _plan(**kw) -> StepPlan:
+    return StepPlan(config=kw.pop("config", DLSConfig(fp16_type="float16")), **kw)
+
+
+class _KeyedPass:
+    def __init__(self, uuid: str) -> None:
+        self._uuid = uuid
+
+    def __call__(self, gm) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+@pytest.mark.parametrize("change", [
+    {"fp16_type": "bfloat16"}, {"loss_scale": 2.0**8}, {"steps_per_increase": 7},
+    {"policy": "torch"}, {"precision_mode": "native"}, {"float8": "rowwise"},
+    {"max_gradient_norm": 1.0}, {"hysteresis": 2}])
+def test_the_plan_key_changes_with_every_config_field_that_changes_the_step(change):
+    base = _plan()
+    other = _plan(config=dataclasses.replace(base.config, **change))
+    assert base.cache_key() is not None and other.cache_key() is not None
+    assert base.cache_key() != other.cache_key()
+    assert base.cache_key() == _plan().cache_key()  # stable: a value, not an identity
+
+
+def test_the_plan_key_names_keyed_passes_and_refuses_what_a_hit_cannot_reproduce():
+    keyed = _plan(graph_passes=[_KeyedPass("a")]).cache_key()
+    assert keyed is not None and keyed != _plan().cache_key()
+    assert keyed != _plan(graph_passes=[_KeyedPass("b")]).cache_key()
+    assert _plan(write_in_place=True).cache_key() != _plan().cache_key()
+    # no stable identity, or fed through a wrapper a hit would not re-apply: not cached
+    assert _plan(graph_passes=[lambda gm: None]).cache_key() is None
+    assert _plan(extra_inputs={"x": lambda: torch.zeros(1)}).cache_key() is None
+    assert _plan(graph_passes=[Telemetry("float16")]).cache_key() is None
+    assert _plan(data_parallel=DataParallel()).cache_key() is None
+    assert _plan(backend_compiler="eager").cache_key() is None
