@@ -198,8 +198,11 @@ def step_backend(gm: fx.GraphModule, example_inputs: list[Any], *, plan: StepPla
     the step graph keeps its mutations as outputs (``tag_aot_graph`` reads them). ``keep``
     receives each rewritten graph (``CompiledStep.graphs``, for inspection).
 
-    Warm start: where the plan has a cache key (``StepPlan.cache_key``) and ``cache`` is on,
-    AOTAutograd's cache serves the whole compiled step (``aot_backend``'s ``cache_key``). A
+    Warm start: where the plan has a cache key (``StepPlan.cache_key``), ``cache`` is on and
+    the step runs on the CPU, AOTAutograd's cache serves the whole compiled step
+    (``aot_backend``'s ``cache_key``). Not on CUDA yet: the step's CUDA-graph settings are
+    decided from the rewritten graph (`step_cudagraph_config`), which a cache hit never sees,
+    so a hit would post-compile the step under other settings than its cold compile. A
     hit runs neither the pipeline nor ``keep``: ``on_cache_hit`` then receives a function that
     makes the rewritten graph again for ``keep`` (the trace and the pipeline, without the
     AOTAutograd cache; inductor's FX-graph cache serves the compile), for whoever asks for it.
@@ -216,7 +219,7 @@ def step_backend(gm: fx.GraphModule, example_inputs: list[Any], *, plan: StepPla
                            mutations_in_graph=False,
                            inductor_config_extra=_step_inductor_config(example_inputs),
                            graph_config=step_cudagraph_config,
-                           cache_key=plan.cache_key() if cache else None)
+                           cache_key=plan.cache_key() if cache and _on_cpu(example_inputs) else None)
     if not kept and on_cache_hit is not None:
         on_cache_hit(functools.partial(_graph_again, gm, list(example_inputs), plan, keep))
     return compiled
@@ -284,5 +287,9 @@ def _step_inductor_config(example_inputs: list[Any]) -> dict[str, Any]:
     update, which the step graph holds, reads channels-last gradients beside contiguous
     parameters: a ResNet-18 step took 623 ms against 341 ms without it (tools/bench/RESULTS.md).
     """
-    cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, Tensor))
-    return {"layout_optimization": False} if cpu else {}
+    return {"layout_optimization": False} if _on_cpu(example_inputs) else {}
+
+
+def _on_cpu(example_inputs: list[Any]) -> bool:
+    """True when every tensor input of the step is on the CPU."""
+    return all(t.device.type == "cpu" for t in example_inputs if isinstance(t, Tensor))
