@@ -131,3 +131,12 @@ def test_the_plan_key_names_keyed_passes_and_refuses_what_a_hit_cannot_reproduce
     assert _plan(graph_passes=[Telemetry("float16")]).cache_key() is None
     assert _plan(data_parallel=DataParallel()).cache_key() is None
     assert _plan(backend_compiler="eager").cache_key() is None
+
+
+def test_the_plan_key_changes_with_dlspass_own_code(monkeypatch):
+    from dlspass.capture import step_plan
+
+    before = _plan().cache_key()
+    # an upgraded dlspass rewrites the same graph otherwise: its entries must not be served
+    monkeypatch.setattr(step_plan, "code_fingerprint", lambda: "another dlspass")
+    assert _plan().cache_key() != before

@@ -42,6 +42,7 @@ from dlspass.capture import step_pipeline
 from dlspass.capture.dynamo_source import tag_aot_graph
 from dlspass.capture.step_plan import StepPlan
 from dlspass.cudagraph_policy import cudagraph_decision, inductor_options, step_facts
+from dlspass.errors import InternalRuntimeError
 from dlspass.formats import INDUCTOR_CONFIG  # keeps the rounding casts
 from dlspass.graph import roles
 from dlspass.passes.decompose_for_inductor_pass import DecomposeForInductorPass
@@ -141,8 +142,7 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
             wrapped = wrap(compiled)
             if cacheable and wrapped is not compiled:
                 # a cache hit would run the compiled graph without the wrapper
-                raise AssertionError("dlspass internal error: a cacheable rewrite changed the "
-                                     "graph's signature")
+                raise InternalRuntimeError("a cacheable rewrite changed the graph's signature")
             return wrapped
 
         # torch's marker of a compiler whose output (inductor's OutputCode) AOTAutograd caches
