@@ -18,10 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
+import dlspass
 from dlspass import DLSConfig
 from dlspass.capture.step_plan import DataParallel, StepPlan
 from dlspass.capture.telemetry import Telemetry
+from dlspass.models import MLP, mse_train_step
 
 CHILD = Path(__file__).with_name("warm_child.py")
 ROOT = CHILD.parent.parent
@@ -91,6 +94,32 @@ def _first_growth(scales: list[torch.Tensor]) -> int:
     """The index of the first step whose scale is above the one before it."""
     values = [float(s) for s in scales]
     return next(i for i in range(1, len(values)) if values[i] > values[i - 1])
+
+
+def _mlp_step():
+    torch.manual_seed(0)
+    model = MLP(d_in=32, d_hidden=64, d_out=32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10, fp16_type="float16")
+    return dlspass.compile(mse_train_step(model, opt), optimizer=opt, scaler=scaler)
+
+
+def test_a_second_compile_in_one_process_hits_and_its_graph_is_made_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing cached before
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
+    hits = counters["aot_autograd"]["autograd_cache_hit"]
+    first = _mlp_step()
+    first_losses = [first(x, y) for _ in range(2)]
+    assert counters["aot_autograd"]["autograd_cache_hit"] == hits  # cold: a miss
+    second = _mlp_step()
+    second_losses = [second(x, y) for _ in range(2)]
+    assert counters["aot_autograd"]["autograd_cache_hit"] == hits + 1
+    # the same kernels on the same inputs in the same order: bit-identical
+    assert all(torch.equal(a, b) for a, b in zip(first_losses, second_losses, strict=True))
+    # the hit ran no pipeline; step.graphs makes the rewritten graph again, as the cold one was
+    (cold,), (again,) = first.graphs, second.graphs
+    assert again.code == cold.code
 
 
 def _plan(**kw) -> StepPlan:
