@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerance import assert_same_training
 
 from dlspass import cache_facts
 from dlspass.cache_facts import CacheFactsError, cpu_facts, load_cache_artifacts
@@ -70,11 +71,7 @@ def _finish(started: list[tuple]) -> dict[str, dict]:
 
 
 def _assert_same_training(got: dict, fresh: dict, what: str) -> None:
-    for key in ("loss", "found_inf", "scale", "params"):
-        for i, (a, b) in enumerate(zip(got[key], fresh[key], strict=True)):
-            assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all()), \
-                f"{what}: {key}[{i}] differs from a fresh compile: {a} vs {b}"
-    assert torch.equal(got["skipped"], fresh["skipped"]), what
+    assert_same_training(got, fresh, f"{what}, against a fresh compile")
     assert [bool(f) for f in got["found_inf"]] == [False, True, False], what  # one skip, as made
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerance import assert_same_training
 from torch._dynamo.utils import counters
 
 import dlspass
@@ -48,15 +49,6 @@ def _finish(started: list[tuple]) -> dict[str, dict]:
     return results
 
 
-def _assert_same_training(got: dict, cold: dict, what: str) -> None:
-    for key in ("loss", "found_inf", "scale", "params"):
-        for i, (a, b) in enumerate(zip(got[key], cold[key], strict=True)):
-            # nan == nan where the overflow step's loss is not finite in both
-            assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all()), \
-                f"{what}: {key}[{i}] differs from the cold process: {a} vs {b}"
-    assert torch.equal(got["skipped"], cold["skipped"]), what
-
-
 def test_a_second_process_hits_aotautograd_and_another_plan_misses(tmp_path):
     art = str(tmp_path / "artifacts.bin")
     cold = _finish([_start(tmp_path, "cold", "base", "shared", "save", art)])["cold"]
@@ -75,7 +67,7 @@ def test_a_second_process_hits_aotautograd_and_another_plan_misses(tmp_path):
         assert counts["aot_autograd.autograd_cache_hit"] >= 1, (name, counts)
         assert counts["aot_autograd.autograd_cache_miss"] == 0, (name, counts)
         assert counts["inductor.fxgraph_cache_miss"] == 0, (name, counts)
-        _assert_same_training(res[name], cold, name)
+        assert_same_training(res[name], cold, f"{name} against the cold process")
         # the rewritten graph is still there for inspection (made again on access)
         assert res[name]["n_graphs"] == 1, name
     # another format, scale growth or scale rule: a miss, never the base plan's step

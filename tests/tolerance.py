@@ -57,3 +57,16 @@ def sgd_update_atol(grad_atol: float, lr: float, param_magnitude: float,
     another order or fused: at most four roundings of u = eps/2 each, relative to values no
     larger than the parameters (``param_magnitude``), so 2 * eps * param_magnitude."""
     return lr * grad_atol + 2 * torch.finfo(dtype).eps * param_magnitude
+
+
+def assert_same_training(got: dict, ref: dict, what: str) -> None:
+    """Bit equality of two recorded training runs (``loss``, ``found_inf``, ``scale`` and
+    ``params`` lists and the ``skipped`` count): for two processes that run the same kernels
+    on the same inputs in the same order (a cache hit against its cold compile, or a miss
+    against a fresh compile under the same CPU facts). A non-finite loss (an overflow step)
+    matches a non-finite loss."""
+    for key in ("loss", "found_inf", "scale", "params"):
+        for i, (a, b) in enumerate(zip(got[key], ref[key], strict=True)):
+            assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all()), \
+                f"{what}: {key}[{i}] differs: {a} vs {b}"
+    assert torch.equal(got["skipped"], ref["skipped"]), what

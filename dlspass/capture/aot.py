@@ -8,7 +8,8 @@ the graph passes added, and compiles the result, so the entry point only builds 
 hands ``functools.partial(step_backend, plan=...)`` to ``torch.compile``: control runs down.
 
 Every inductor compile here carries the CPU facts in its cache key
-(``dlspass.cache_facts``).
+(``dlspass.cache_facts``); a step whose plan has a cache key is AOTAutograd-cacheable as a
+whole (`step_backend`: a second process skips the joint trace, the pipeline and inductor).
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def _inductor_context(example_inputs: list[Any], build: Callable[[], Callable]) 
 
 def step_backend(gm: fx.GraphModule, example_inputs: list[Any], *, plan: StepPlan,
                  keep: Callable[[fx.GraphModule], object] | None = None,
-                 on_cache_hit: Callable[[Callable[[], None]], object] | None = None,
+                 on_cache_hit: Callable[[Callable[[], fx.GraphModule]], object] | None = None,
                  cache: bool = True) -> Callable:
     """``dlspass.compile``'s ``torch.compile`` backend: AOTAutograd, the step pipeline of
     ``plan`` on the AOT step graph, then inductor (or eager, ``plan.backend_compiler``).
@@ -204,7 +205,7 @@ def step_backend(gm: fx.GraphModule, example_inputs: list[Any], *, plan: StepPla
     decided from the rewritten graph (`step_cudagraph_config`), which a cache hit never sees,
     so a hit would post-compile the step under other settings than its cold compile. A
     hit runs neither the pipeline nor ``keep``: ``on_cache_hit`` then receives a function that
-    makes the rewritten graph again for ``keep`` (the trace and the pipeline, without the
+    makes the rewritten graph again and returns it (the trace and the pipeline, without the
     AOTAutograd cache; inductor's FX-graph cache serves the compile), for whoever asks for it.
     """
     kept: list[fx.GraphModule] = []
@@ -221,19 +222,20 @@ def step_backend(gm: fx.GraphModule, example_inputs: list[Any], *, plan: StepPla
                            graph_config=step_cudagraph_config,
                            cache_key=plan.cache_key() if cache and _on_cpu(example_inputs) else None)
     if not kept and on_cache_hit is not None:
-        on_cache_hit(functools.partial(_graph_again, gm, list(example_inputs), plan, keep))
+        on_cache_hit(functools.partial(_graph_again, gm, list(example_inputs), plan))
     return compiled
 
 
-def _graph_again(gm: fx.GraphModule, example_inputs: list[Any], plan: StepPlan,
-                 keep: Callable[[fx.GraphModule], object] | None) -> None:
-    """The rewritten step graph of a step AOTAutograd's cache served, made again for ``keep``
+def _graph_again(gm: fx.GraphModule, example_inputs: list[Any], plan: StepPlan) -> fx.GraphModule:
+    """The rewritten step graph of a step AOTAutograd's cache served, made again
     (`step_backend`), outside dynamo: in a tracing context of its own, as inductor's
     ``compile_fx`` does for a graph it is handed directly."""
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     context = torch._guards.TracingContext.try_get() or torch._guards.TracingContext(fake_mode)
+    made: list[fx.GraphModule] = []
     with torch._guards.tracing(context):
-        step_backend(gm, example_inputs, plan=plan, keep=keep, cache=False)
+        step_backend(gm, example_inputs, plan=plan, keep=made.append, cache=False)
+    return made[-1]
 
 
 def step_cudagraph_config(gm: fx.GraphModule) -> dict[str, Any]:

@@ -98,16 +98,16 @@ class CompiledStep(StepRunner):
         super().__init__(plan, optimizer)
         self.fn = fn
         self.backend_compiler = plan.backend_compiler
-        self._graphs: list[fx.GraphModule] = []  # the rewritten AOT graphs, for inspection
-        # a warm start (AOTAutograd's cache served the step) makes its graph only when asked
-        self._graphs_pending: list[Callable[[], None]] = []
+        # the rewritten AOT graphs, for inspection, in compile order; a compile AOTAutograd's
+        # cache served holds the function that makes its graph until it is asked for
+        self._graphs: list[fx.GraphModule | Callable[[], fx.GraphModule]] = []
         dp = plan.data_parallel
         self.process_group = None if dp is None else dp.group
         self._broadcast_pending = broadcast_params and self.process_group is not None
         self._ctx = LiveOptimizer(optimizer, plan.scaler, plan.config, model)
         # the plan goes down to the backend, which runs the pipeline itself (dlspass.capture.aot)
         backend = functools.partial(step_backend, plan=plan, keep=self._graphs.append,
-                                    on_cache_hit=self._graphs_pending.append)
+                                    on_cache_hit=self._graphs.append)
         self._compiled = torch.compile(_own_frame(fn), backend=backend, fullgraph=True)
         functools.update_wrapper(self, fn)
         self.__signature__ = inspect.signature(fn)
@@ -120,9 +120,10 @@ class CompiledStep(StepRunner):
         no pipeline: its graph is made again here, on first access (a trace and the pipeline;
         inductor's FX-graph cache serves the compile), so the list reads as after a cold start.
         """
-        while self._graphs_pending:
-            self._graphs_pending.pop(0)()
-        return self._graphs
+        for i, graph in enumerate(self._graphs):
+            if not isinstance(graph, fx.GraphModule):
+                self._graphs[i] = graph()
+        return self._graphs  # type: ignore[return-value]  # every entry made above
 
     def _param_names(self) -> dict[int, str]:
         return self._ctx.names
