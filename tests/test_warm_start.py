@@ -88,10 +88,10 @@ def _first_growth(scales: list[torch.Tensor]) -> int:
     return next(i for i in range(1, len(values)) if values[i] > values[i - 1])
 
 
-def _mlp_step():
+def _mlp_step(**adam: object):
     torch.manual_seed(0)
     model = MLP(d_in=32, d_hidden=64, d_out=32)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **adam)
     scaler = dlspass.GradScaler(loss_scale="dynamic", init_scale=2.0**10, fp16_type="float16")
     return dlspass.compile(mse_train_step(model, opt), optimizer=opt, scaler=scaler)
 
@@ -112,6 +112,17 @@ def test_a_second_compile_in_one_process_hits_and_its_graph_is_made_again(tmp_pa
     # the hit ran no pipeline; step.graphs makes the rewritten graph again, as the cold one was
     (cold,), (again,) = first.graphs, second.graphs
     assert again.code == cold.code
+
+
+def test_another_optimizer_structure_is_a_miss(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    _mlp_step()(x, y)
+    hits, misses = (counters["aot_autograd"][k] for k in ("autograd_cache_hit", "autograd_cache_miss"))
+    # amsgrad adds a state tensor and a max to the update: dynamo's graph differs, so does the key
+    _mlp_step(amsgrad=True)(x, y)
+    assert counters["aot_autograd"]["autograd_cache_hit"] == hits
+    assert counters["aot_autograd"]["autograd_cache_miss"] == misses + 1
 
 
 def _plan(**kw) -> StepPlan:
