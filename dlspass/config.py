@@ -37,9 +37,11 @@ NATIVE_FORMATS: tuple[str, ...] = ("float16", "bfloat16")
 """The formats with a hardware dtype: ``precision_mode="native"`` casts to them, and is their default.
 The one statement of it: ``dlspass.precision_policy.NATIVE_DTYPES``, ``dlspass.formats`` and the
 passes derive theirs from it."""
-Float8Recipe = Literal["tensorwise", "rowwise"]
-"""How a float8 step scales each matmul operand: one scale per tensor, or one per row."""
-FLOAT8_RECIPES: tuple[str, ...] = get_args(Float8Recipe)
+Float8RecipeName = Literal["tensorwise", "rowwise"]
+"""The name of a float8 recipe (torchao's ``Float8LinearRecipeName``): how a float8 step scales
+each matmul operand, one scale per tensor or one per row. The recipe itself (formats, axes) is
+``dlspass.float8_policy.Float8Recipe``."""
+FLOAT8_RECIPES: tuple[str, ...] = get_args(Float8RecipeName)
 TelemetryWatch = Literal["default", "all"]
 """What the numerics telemetry watches: ``default`` (what ``telemetry=True`` means) the scaled
 gradients and, in a float8 step, each float8 cast of a matmul operand; ``all`` adds every
@@ -168,7 +170,7 @@ class DLSConfig:
     log_loss_scale: bool = False
     precision_mode: PrecisionMode | None = None
     telemetry: bool | TelemetryWatch = False
-    float8: Float8Recipe | None = None
+    float8: Float8RecipeName | None = None
     extras: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -460,3 +462,14 @@ def _scaling_rules(config: DLSConfig) -> tuple:
     return (c.policy, c.enabled, c.dynamic, c.init_scale, c.min_scale, c.max_scale, c.growth_interval,
             c.growth, c.backoff, c.hysteresis_steps, c.tolerance, c.overflow_check,
             c.consecutive_hysteresis, c.on_scale_floor)
+
+
+def __getattr__(name: str) -> Any:
+    """``Float8Recipe`` was this module's name for the recipe names until
+    ``dlspass.float8_policy.Float8Recipe`` (the recipe itself) took it: it still imports from
+    here, as `Float8RecipeName`, with a DeprecationWarning."""
+    if name == "Float8Recipe":
+        warnings.warn("dlspass.config.Float8Recipe is deprecated: use dlspass.config.Float8RecipeName "
+                      "(the recipe itself is dlspass.float8_policy.Float8Recipe)", DeprecationWarning, stacklevel=2)
+        return Float8RecipeName
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -56,3 +56,20 @@ def test_the_four_scaler_checkpoint_names_import_from_distributed_again() -> Non
         with pytest.warns(DeprecationWarning, match=rf"dlspass\.checkpoint\.{name}"):
             exec(f"from dlspass.distributed import {name} as got", namespace := {})
         assert namespace["got"] is getattr(checkpoint, name)
+
+
+def test_the_float8_recipe_names_alias_moved_and_the_class_keeps_the_name() -> None:
+    """``dlspass.config.Float8Recipe`` (the recipe names) became ``Float8RecipeName``, so that
+    ``Float8Recipe`` means one thing, the recipe of ``dlspass.float8_policy``; the old import
+    still works, with a warning naming the new name."""
+    from typing import get_args
+
+    from dlspass import config, float8_policy
+
+    with pytest.warns(DeprecationWarning, match=r"dlspass\.config\.Float8RecipeName"):
+        old = config.Float8Recipe
+    assert old is config.Float8RecipeName
+    assert get_args(old) == config.FLOAT8_RECIPES == tuple(float8_policy.RECIPES)
+    assert isinstance(float8_policy.RECIPES["tensorwise"], float8_policy.Float8Recipe)
+    with pytest.raises(AttributeError):
+        config.NoSuchName  # noqa: B018  (the shim answers only the moved name)
