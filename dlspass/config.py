@@ -47,10 +47,43 @@ TelemetryWatch = Literal["default", "all"]
 gradients and, in a float8 step, each float8 cast of a matmul operand; ``all`` adds every
 lowered 16-bit op's output (each read once more: the costly part, tools/bench/RESULTS.md)."""
 TELEMETRY_WATCHES: tuple[str, ...] = get_args(TelemetryWatch)
+FLOAT8_SIZE_RULES: tuple[str, ...] = ("all", "auto")
+"""The size rules of a ``float8_filter``: ``all`` converts a matmul of any size (torchao's
+``convert_to_float8_training`` with no ``module_filter_fn``, its default), ``auto`` skips those
+torchao's auto filter (``_auto_filter_for_recipe``) skips: too small for float8 to gain."""
 
 
 class ConfigError(InputValueError):
     """A DLS configuration value is invalid; the message names the key."""
+
+
+_SKIP_PREFIX = "skip:"
+
+
+def parse_float8_filter(spec: Any) -> tuple[str, tuple[str, ...]]:
+    """``(size rule, module paths to skip)`` of a ``float8_filter`` spec, the one reading of it
+    (``DLSConfig`` checks it with this, ``dlspass.float8_policy.Float8Filter.from_spec`` builds
+    the filter from it).
+
+    A spec is comma-separated: at most one size rule of `FLOAT8_SIZE_RULES` (default ``all``)
+    and any number of ``skip:PATH`` entries, each a substring of the module paths to leave in
+    16 bits (torchao's ``filter_fqns``). E.g. ``"auto"``, ``"all,skip:lm_head"``.
+    """
+    if not isinstance(spec, str):
+        raise ConfigError(f"float8_filter: expected a string such as 'all', 'auto' or 'auto,skip:lm_head', "
+                          f"got {excerpt(spec)}")
+    rules, skips = [], []
+    for token in (t.strip() for t in spec.split(",")):
+        if token.startswith(_SKIP_PREFIX) and token[len(_SKIP_PREFIX):].strip():
+            skips.append(token[len(_SKIP_PREFIX):].strip())
+        elif token in FLOAT8_SIZE_RULES:
+            rules.append(token)
+        else:
+            raise ConfigError(f"float8_filter: unknown entry {excerpt(token)} in {excerpt(spec)}; expected "
+                              f"{' or '.join(FLOAT8_SIZE_RULES)} and skip:MODULE_PATH entries, comma-separated")
+    if len(rules) > 1:
+        raise ConfigError(f"float8_filter: more than one size rule in {excerpt(spec)} ({', '.join(rules)})")
+    return (rules[0] if rules else "all"), tuple(skips)
 
 
 # Step counters are int64 tensors: an interval must fit int64 (2**63 - 1 is torch's and Model Zoo's
@@ -142,7 +175,11 @@ class DLSConfig:
     in float8 with one scale per tensor or per row computed from its amax, torchao's recipes
     (``LowerMatmulsToFloat8Pass``, README "float8"); the rest of the step stays as the other
     fields make it, and ``precision_mode`` picks ``torch._scaled_mm`` (native) or torchao's
-    emulation (emulate). Entry points merge their
+    emulation (emulate). ``float8_filter`` says which matmuls that is (`parse_float8_filter`):
+    ``"all"`` (default: every matmul, as torchao's ``convert_to_float8_training`` converts every
+    ``nn.Linear`` unless given a filter), ``"auto"`` (skip the sizes torchao's auto filter
+    skips, measured on H100s), plus ``skip:PATH`` entries by module path; without ``float8``
+    it changes nothing. Entry points merge their
     keyword overrides into a config with `with_overrides`.
 
     Example:
@@ -171,6 +208,7 @@ class DLSConfig:
     precision_mode: PrecisionMode | None = None
     telemetry: bool | TelemetryWatch = False
     float8: Float8RecipeName | None = None
+    float8_filter: str = "all"
     extras: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -182,6 +220,7 @@ class DLSConfig:
             _choice("precision_mode", self.precision_mode, PRECISION_MODES, "mode")
         if self.float8 is not None:
             _choice("float8", self.float8, FLOAT8_RECIPES, "float8 recipe")
+        parse_float8_filter(self.float8_filter)
         ls = self.loss_scale
         if isinstance(ls, str):
             if ls != "dynamic":

@@ -81,7 +81,7 @@ def default_passes(config: DLSConfig | None) -> list[DLSPass]:
     if config is not None and config.float8 is not None:
         # after the 16-bit lowering: the matmuls' operands are then the 16-bit values torchao's
         # Float8Linear casts in a 16-bit model, and their outputs keep the lowered dtype
-        passes.append(LowerMatmulsToFloat8Pass(config.float8, config.lowering_mode))
+        passes.append(LowerMatmulsToFloat8Pass.for_config(config))
     if config is not None:
         passes += [ScaleSeedPass(config), UnscaleGradsPass(config), ClipGradNormPass(config),
                    GuardUpdatesPass(config), UpdateScalePass(config)]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dlspass.config import FLOAT8_RECIPES, PRECISION_MODES, ConfigError, PrecisionMode
+from dlspass.config import FLOAT8_RECIPES, PRECISION_MODES, ConfigError, DLSConfig, PrecisionMode
 from dlspass.float8_policy import (
     DEFAULT_FILTER,
     EPS,
@@ -85,6 +85,12 @@ class LowerMatmulsToFloat8Pass(DLSPass):
         self.mode = mode
         self.filter = matmul_filter or DEFAULT_FILTER
 
+    @classmethod
+    def for_config(cls, config: DLSConfig) -> LowerMatmulsToFloat8Pass:
+        """The pass ``config`` asks for: its ``float8`` recipe, its precision mode, the filter of
+        its ``float8_filter`` (``config.float8`` must be set)."""
+        return cls(str(config.float8), config.lowering_mode, Float8Filter.from_spec(config.float8_filter))
+
     def requires(self, gm: fx.GraphModule) -> None:
         if not self.will_run(gm):
             return
@@ -98,11 +104,12 @@ class LowerMatmulsToFloat8Pass(DLSPass):
         grad_side = roles.descendants(_grad_sources(graph))
         decisions: dict[str, dict[str, Any]] = {}
         cache: dict[tuple[fx.Node, torch.dtype, int | None], _Operand] = {}
+        weights = _weight_sizes(graph, grad_side)
         changed = False
         for node in list(graph.nodes):
             if node.op != "call_function" or not (node.target in MATMUL_OPS or node.target in DEFAULT_LOWER_OPS):
                 continue
-            why, site = self._reason_to_skip(node)
+            why, site = self._reason_to_skip(node, weights)
             decisions[node.name] = {"float8": None if why else self.recipe.name, "why": why,
                                     "op": _op_name(node), "module": site.module if site else "",
                                     "mkn": [site.m, site.k, site.n] if site else None}
@@ -124,13 +131,18 @@ class LowerMatmulsToFloat8Pass(DLSPass):
             raise PassContractError(f"{self.name}: matmuls {left} neither converted nor skipped with a reason")
 
     # -- the decision --------------------------------------------------------------------------
-    def _reason_to_skip(self, node: fx.Node) -> tuple[str | None, MatmulSite | None]:
-        """Why ``node`` stays as it is (None: convert it), and what the filter saw of it."""
+    def _reason_to_skip(self, node: fx.Node, weights: dict[str, tuple[int, int]]
+                        ) -> tuple[str | None, MatmulSite | None]:
+        """Why ``node`` stays as it is (None: convert it), and what the filter saw of it
+        (``weights``: `_weight_sizes`)."""
         if node.target not in MATMUL_OPS:
             return f"{_op_name(node)} has no float8 form here (only mm, addmm, bmm)", None
         a, b = _operands(node)
         va, vb = a.meta["val"], b.meta["val"]
-        site = MatmulSite(_module_path(node), _op_name(node), va.shape[-2], va.shape[-1], vb.shape[-1])
+        param = _param_of(node)
+        module = param.rpartition(".")[0] if param else _stack_path(node)
+        site = MatmulSite(module, _op_name(node), va.shape[-2], va.shape[-1], vb.shape[-1],
+                          weights.get(param) if param else None)
         if node.target is aten.addmm.default and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
             return "addmm with beta or alpha other than 1", site
         if not (va.is_floating_point() and vb.is_floating_point()):
@@ -347,22 +359,53 @@ def _through_views(x: fx.Node) -> fx.Node:
     return x
 
 
-def _module_path(node: fx.Node) -> str:
-    """The module a matmul belongs to: the parameter it multiplies (``blocks.0.fc.weight`` ->
-    ``blocks.0.fc``), or the gradient it computes, or the module stack dynamo recorded; ``""``
-    when none says."""
-    for x in node.all_input_nodes:
+def _param_operand(node: fx.Node) -> fx.Node | None:
+    """The parameter placeholder ``node`` multiplies (past views, casts and transposes)."""
+    for x in _operands(node):
         src = _through_views(x)
         if src.op == "placeholder" and roles.role_of(src) == roles.PARAM and roles.target_of(src):
-            return roles.target_of(src).rpartition(".")[0]
+            return src
+    return None
+
+
+def _param_of(node: fx.Node) -> str | None:
+    """The parameter a matmul belongs to: the one it multiplies (``blocks.0.fc.weight``), or the
+    one whose gradient it computes; None when neither shows (no step roles on the graph: the
+    ``dlspass`` torch.compile backend's AOT graphs)."""
+    src = _param_operand(node)
+    if src is not None:
+        return roles.target_of(src)
     front = [node]
     for _ in range(8):  # the gradient's views and casts after the weight-gradient matmul
         for y in front:
             if roles.role_of(y) in (roles.GRAD, roles.BACKWARD_GRAD) and roles.target_of(y):
-                return roles.target_of(y).rpartition(".")[0]
+                return roles.target_of(y)
         front = [u for y in front for u in y.users if _is_view_or_cast(u) and u.args[0] is y]
+    return None
+
+
+def _stack_path(node: fx.Node) -> str:
+    """The module dynamo recorded for ``node`` (``""`` when none did)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if stack:
         path = list(stack.values())[-1]
         return str(path[0] if isinstance(path, tuple) else path)
     return ""
+
+
+def _weight_sizes(graph: fx.Graph, grad_side: dict[fx.Node, None]) -> dict[str, tuple[int, int]]:
+    """``{parameter: (N, K)}`` for each 2-D parameter a forward matmul multiplies: ``K`` the
+    dim that matmul contracts, ``N`` the other (an ``nn.Linear``'s ``weight.shape``; a weight
+    used as ``x @ w`` reads transposed), so that the filter judges the three matmuls of a
+    linear by the one size torchao's module filter sees."""
+    sizes: dict[str, tuple[int, int]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in MATMUL_OPS or node in grad_side:
+            continue
+        src = _param_operand(node)
+        if src is None or "val" not in src.meta or src.meta["val"].dim() != 2:
+            continue
+        p0, p1 = src.meta["val"].shape
+        k = _operands(node)[0].meta["val"].shape[-1]
+        sizes.setdefault(roles.target_of(src), (p0, p1) if p1 == k else (p1, p0))
+    return sizes

@@ -175,6 +175,34 @@ def test_cli_refuses_float8_it_cannot_write_in_one_line(tmp_path, capsys, out: s
     assert err.count("\n") == 1 and says in err and "--float8" in err and not path.exists()
 
 
+def test_cli_float8_filter_is_recorded_and_inspect_says_why_each_matmul_stays(capsys: pytest.CaptureFixture) -> None:
+    """``--float8-filter auto``: the tiny GPT's linears are all below torchao's auto-filter
+    sizes, so every matmul stays in bfloat16 and inspect says why, per matmul; the spec is
+    recorded with the recipe. A bad spec is the one-line exit 2 naming the flag."""
+    f8 = cf.step_file("gpt", ".pt2", *_FLAGS, "--float8", "tensorwise", "--float8-filter", "auto")
+    _, meta = load_program(f8)
+    assert (meta["config"]["float8"], meta["config"]["float8_filter"]) == ("tensorwise", "auto")
+    capsys.readouterr()
+    assert cf.cli("inspect", f8, "--format", "json") == 0
+    matmuls = {k: d for k, d in json.loads(capsys.readouterr().out)["float8"].items()
+               if d["op"] in ("mm.default", "addmm.default", "bmm.default")}
+    assert matmuls and all(d["float8"] is None and "torchao" in d["why"] for d in matmuls.values())
+    assert cf.cli("inspect", f8) == 0
+    text = capsys.readouterr().out
+    assert "float8: 0 of" in text
+    for name, d in matmuls.items():
+        assert f"  not float8: {name} ({d['op']}" in text and d["why"] in text
+    some = cf.step_file("gpt", ".pt2", *_FLAGS, "--float8", "tensorwise", "--float8-filter", "skip:head")
+    capsys.readouterr()
+    assert cf.cli("inspect", some) == 0
+    text = capsys.readouterr().out
+    assert "  float8 tensorwise: " in text and "skip_modules entry 'head'" in text
+    assert cf.cli("transform", cf.joint_file("gpt"), "-o", cf.tmp_dir() / "bad.pt2", "--float8", "tensorwise",
+                  "--float8-filter", "tiny") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--float8-filter" in err and "unknown entry 'tiny'" in err
+
+
 def test_capture_step_compiled_by_inductor_trains_like_the_eager_graph() -> None:
     """Inductor may lay out a buffer as it likes; the native matmuls pin their operands'
     layouts (``torch._scaled_mm`` wants the second one column-major) and train as eagerly."""
@@ -227,3 +255,10 @@ def test_inspect_reads_only_well_formed_float8_records() -> None:
     assert text.startswith("float8: 1 of 2 matmuls converted (tensorwise 1)") and "\u202e" not in text
     g.output_node().meta["custom"] = {FLOAT8_KEY: "{not json"}
     assert _float8(g) == {}
+
+
+def test_backend_options_take_the_float8_filter_as_every_entry_point_does() -> None:
+    config, _ = dynamo_backend.validate_options({"float8": "rowwise", "float8_filter": "auto,skip:head"})
+    assert (config.float8, config.float8_filter) == ("rowwise", "auto,skip:head")
+    with pytest.raises(dlspass.ConfigError, match="^float8_filter: unknown entry"):
+        dynamo_backend.validate_options({"float8": "rowwise", "float8_filter": "small"})

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from dlspass.scaler import GradScaler
 
 # the DLSConfig keys the backend reads (the loss scaling is the scaler's: make_backend(scaler=))
-CONFIG_OPTIONS = ("fp16_type", "mixed_precision", "precision_mode", "float8")
+CONFIG_OPTIONS = ("fp16_type", "mixed_precision", "precision_mode", "float8", "float8_filter")
 OPTIONS = ("config", *CONFIG_OPTIONS, "backend_compiler")
 # what compiles the rewritten graphs (``dlspass.compile`` takes the same choices)
 BACKEND_COMPILERS = ("inductor", "eager")
@@ -144,7 +144,7 @@ class DLSBackend:
         """The config's float8 recipe on ``gm``'s matmuls, after the 16-bit lowering (as in
         ``apply_dls``); the gradients are what the ``tangents`` placeholders feed."""
         if self.config.float8 is not None:
-            LowerMatmulsToFloat8Pass(self.config.float8, self.config.lowering_mode)(gm)
+            LowerMatmulsToFloat8Pass.for_config(self.config)(gm)
 
     def _lower(self, gm: fx.GraphModule, example_inputs: list[Any],
                lowered: bool = False) -> tuple[list[Any], Callable]:

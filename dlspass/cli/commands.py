@@ -248,6 +248,11 @@ def transform(
     float8: Annotated[str | None, typer.Option(
         "--float8", help="Run the step's matmuls in float8 with current scaling: tensorwise "
                          "or rowwise (torchao's recipes; .pt2 output only).")] = None,
+    float8_filter: Annotated[str | None, typer.Option(
+        "--float8-filter", help="Which matmuls --float8 converts: all (default, as torchao's "
+                                "convert_to_float8_training), auto (skip those torchao's auto filter "
+                                "finds too small to gain), plus skip:MODULE_PATH entries, "
+                                "comma-separated.")] = None,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 0.01,
     momentum: Annotated[float, typer.Option(help="SGD momentum.")] = 0.0,
@@ -302,11 +307,11 @@ def transform(
     # the flags given, merged into --config (or the defaults) by the one rule of every entry point
     flag_of = {"fp16_type": "--fp16-type", "loss_scale": "--loss-scale",
                "max_gradient_norm": "--max-gradient-norm", "mixed_precision": "--mixed-precision",
-               "precision_mode": "--precision-mode", "float8": "--float8"}
+               "precision_mode": "--precision-mode", "float8": "--float8", "float8_filter": "--float8-filter"}
     overrides: dict[str, Any] = {k: v for k, v in (
         ("fp16_type", fp16_type), ("max_gradient_norm", max_gradient_norm),
         ("mixed_precision", mixed_precision), ("precision_mode", precision_mode),
-        ("float8", float8)) if v is not None}
+        ("float8", float8), ("float8_filter", float8_filter)) if v is not None}
     if loss_scale is not None:  # `--loss-scale none` is given, as None: scaling off
         overrides["loss_scale"] = scale
     if modelzoo_model is not None and config is None:

@@ -335,14 +335,19 @@ def render_text(r: dict[str, Any]) -> str:
 
 
 def _float8_text(f8: dict[str, dict[str, Any]]) -> list[str]:
-    """One line with the float8 count per recipe, one per matmul left in its own precision."""
+    """One line with the float8 count per recipe, then one per matmul: its recipe, or why it
+    stays in its own precision (the filter's reason)."""
     if not f8:
         return []
     done = Counter(d["float8"] for d in f8.values() if d["float8"])
     lines = [f"float8: {sum(done.values())} of {len(f8)} matmuls converted ("
              + (", ".join(f"{k} {v}" for k, v in sorted(done.items())) or "none") + ")"]
-    lines += [f"  not float8: {name} ({d['op']}{', ' + d['module'] if d['module'] else ''}): {d['why']}"
-              for name, d in sorted(f8.items()) if not d["float8"]]
+
+    def where(name: str, d: dict[str, Any]) -> str:
+        return f"{name} ({d['op']}{', ' + d['module'] if d['module'] else ''})"
+
+    lines += [f"  float8 {d['float8']}: {where(name, d)}" for name, d in sorted(f8.items()) if d["float8"]]
+    lines += [f"  not float8: {where(name, d)}: {d['why']}" for name, d in sorted(f8.items()) if not d["float8"]]
     return lines
 
 

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+import zoo  # tests/models is on pytest's pythonpath (pyproject.toml)
 from stepgraph import gpt_step, node_values, reference_step, run, trace_step
 from tolerance import assert_close_reordered
 from torch import Tensor, nn
@@ -17,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dlspass
 from dlspass.config import ConfigError, DLSConfig
-from dlspass.float8_policy import Float8Filter
+from dlspass.float8_policy import Float8Filter, MatmulSite
 from dlspass.graph import roles
 from dlspass.models import MHAGPT, SmallCNN, ce_loss
 from dlspass.passes import LowerMatmulsToFloat8Pass, apply_dls
@@ -240,8 +241,10 @@ def test_every_matmul_of_an_mha_gpt_converts_where_torchao_reaches_15_of_27() ->
     batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
     _, _, n_torchao = _torchao(model, "tensorwise", batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # the stated filter: "all", the default, as torchao's convert_to_float8_training converts
+    # every nn.Linear given no module_filter_fn (the count below is torchao's under that default)
     step = dlspass.capture_step(model, _gpt_loss, opt, batch,
-                                config=DLSConfig(fp16_type="bfloat16", float8="tensorwise"))
+                                config=DLSConfig(fp16_type="bfloat16", float8="tensorwise", float8_filter="all"))
     decisions = float8_decisions(step.graph_module.graph)
     matmuls = {k: d for k, d in decisions.items() if d["op"] in ("mm.default", "addmm.default", "bmm.default")}
     assert n_torchao == 15
@@ -252,6 +255,33 @@ def test_every_matmul_of_an_mha_gpt_converts_where_torchao_reaches_15_of_27() ->
     assert fused and all("no float8 form" in d["why"] for d in fused)
     losses = [float(step(batch)) for _ in range(4)]
     assert losses[-1] < losses[0]
+
+
+def _torchao_count(case: zoo.Case) -> int:
+    """Matmuls torchao's ``convert_to_float8_training`` (tensorwise, its default: no filter)
+    runs in float8 in one forward and backward of the case."""
+    config = torchao_float8.Float8LinearConfig(emulate=True)
+    converted = torchao_float8.convert_to_float8_training(copy.deepcopy(case.model), config=config)
+    counter = _CountFloat8Matmuls()
+    with counter:
+        case.loss_fn(converted, case.batch).backward()
+    return counter.n
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "t5", "vit", "resnet", "convnext", "mhagpt"])
+def test_the_default_filter_converts_at_least_what_torchao_converts_on_every_matrix_model(name: str) -> None:
+    """The counts goal, with the default filter ``"all"`` on both sides: every matmul of the
+    step (forward and backward) of each compatibility-matrix model runs in float8, which is at
+    least torchao's count of the same model (tools/bench/bench_float8.py --counts: the table)."""
+    case = getattr(zoo, name)()
+    n_torchao = _torchao_count(case)
+    model = copy.deepcopy(case.model)
+    step = dlspass.capture_step(model, case.loss_fn, torch.optim.SGD(model.parameters(), lr=0.0), case.batch,
+                                config=DLSConfig(fp16_type="bfloat16", float8="tensorwise"))
+    matmuls = [d for d in float8_decisions(step.graph_module.graph).values()
+               if d["op"] in ("mm.default", "addmm.default", "bmm.default")]
+    converted = sum(d["float8"] == "tensorwise" for d in matmuls)
+    assert n_torchao > 0 and converted == len(matmuls) >= n_torchao
 
 
 # ---- filter and decisions -----------------------------------------------------------------------
@@ -307,6 +337,92 @@ def test_filter_skips_by_module_size_and_alignment_and_says_why() -> None:
     gm = _linear_step().gm
     LowerMatmulsToFloat8Pass("tensorwise", "emulate", Float8Filter(min_size="auto"))(gm)
     assert all(v["float8"] is None and "thresholds" in v["why"] for v in float8_decisions(gm.graph).values())
+
+
+# the weight shapes (in features K, out features N) around torchao 0.18.0's auto-filter edges:
+# multiples of 16 or not, tensorwise's K 4096 / N 1024, rowwise's N 2048 / 4096 and K 1024 / 2048
+_EDGE_DIMS = (16, 24, 1008, 1024, 1040, 2048, 2064, 4096, 4112, 8192)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_auto_filter_decides_as_torchaos_auto_filter_for_every_linear_shape(recipe: str) -> None:
+    """``float8_filter="auto"`` against torchao's own ``_auto_filter_for_recipe``, called on an
+    ``nn.Linear`` of every shape of the grid (on the meta device: it reads only the shape)."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    theirs = _auto_filter_for_recipe(recipe, filter_fqns=[])
+    ours = Float8Filter.from_spec("auto")
+    recipe_data = LowerMatmulsToFloat8Pass(recipe).recipe
+    decided = []
+    for k in _EDGE_DIMS:
+        for n in _EDGE_DIMS:
+            mod = nn.Linear(k, n, device="meta")
+            # the output matmul of the linear, [M, K] @ [K, N], with its weight's N, K
+            site = MatmulSite("layer", "mm.default", 8, k, n, (n, k))
+            why = ours.reason_to_skip(site, recipe_data)
+            assert (why is None) == theirs(mod, "layer"), (recipe, k, n, why)
+            decided.append(why is None)
+    assert any(decided) and not all(decided)  # the grid crosses the edges both ways
+
+
+class _Sized(nn.Module):
+    """One nn.Linear per shape of ``dims`` ((in, out) pairs), each on its own input times a
+    trained gain (so that the step computes each linear's input gradient too)."""
+
+    def __init__(self, dims: tuple[tuple[int, int], ...]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(k, n) for k, n in dims)
+        self.gains = nn.Parameter(torch.ones(len(dims)))
+
+    def forward(self, *xs: Tensor) -> Tensor:
+        return sum(torch.tanh(layer(x * g)).sum() for layer, x, g in zip(self.layers, xs, self.gains, strict=True))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_auto_filter_keeps_each_linears_three_matmuls_together_as_torchao_converts_it(recipe: str) -> None:
+    """Through ``capture_step``: the linears torchao's auto filter converts are the ones whose
+    matmuls (output, input gradient, weight gradient) all run in float8 here, and the others
+    keep all three, each with the filter's reason; the weight gradient contracts over the 2
+    tokens, which the size rule does not judge (torchao judges the module by its weight)."""
+    from torchao.float8 import _auto_filter_for_recipe
+
+    dims = ((4112, 16), (4096, 16), (16, 1040), (16, 1024), (24, 2048), (1040, 4112), (1040, 4096), (2064, 2064))
+    torch.manual_seed(0)
+    model = _Sized(dims)
+    xs = tuple(torch.randn(2, k) for k, _ in dims)
+    theirs = _auto_filter_for_recipe(recipe, filter_fqns=[])
+    expected = {f"layers.{i}": theirs(m, f"layers.{i}") for i, m in enumerate(model.layers)}
+    assert any(expected.values()) and not all(expected.values())
+    step = dlspass.capture_step(model, lambda m, b: m(*b), torch.optim.SGD(model.parameters(), lr=0.0), xs,
+                                config=_f8(recipe, "emulate", float8_filter="auto"))
+    decisions = float8_decisions(step.graph_module.graph)
+    by_module: dict[str, list[dict]] = {}
+    for d in decisions.values():
+        by_module.setdefault(d["module"], []).append(d)
+    assert set(by_module) == set(expected)
+    for module, converts in expected.items():
+        ds = by_module[module]
+        assert len(ds) == 3, (module, ds)  # output, input gradient, weight gradient
+        if converts:
+            assert all(d["float8"] == recipe and d["why"] is None for d in ds), ds
+        else:
+            assert all(d["float8"] is None and "torchao" in d["why"] and "weight N=" in d["why"] for d in ds), ds
+    assert step.config.float8_filter == "auto"
+
+
+def test_filter_spec_skips_modules_by_path_and_is_checked_once() -> None:
+    gm = _linear_step().gm
+    apply_dls(gm, _f8("tensorwise", "emulate", float8_filter="all, skip:b"))
+    d = float8_decisions(gm.graph)
+    assert {v["module"] for v in d.values() if v["float8"] is None} == {"b"}
+    assert all("skip_modules entry 'b'" in v["why"] for v in d.values() if v["float8"] is None)
+    assert roles.recorded_config(gm).float8_filter == "all, skip:b"  # recorded with the recipe
+    assert Float8Filter.from_spec("auto,skip:x,skip:y") == Float8Filter(skip_modules=("x", "y"), min_size="auto")
+    assert Float8Filter.from_spec("skip:head") == Float8Filter(skip_modules=("head",))
+    for bad, says in (("big", "unknown entry 'big'"), ("auto,all", "more than one size rule"),
+                      ("skip:", "unknown entry 'skip:'"), (16, "expected a string")):
+        with pytest.raises(ConfigError, match=f"^float8_filter: .*{says}"):
+            DLSConfig(float8="tensorwise", float8_filter=bad)
 
 
 def test_convolutions_stay_with_a_reason() -> None:
