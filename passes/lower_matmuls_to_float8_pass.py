@@ -247,6 +247,13 @@ class LowerMatmulsToFloat8Pass(DLSPass):
             # it keep the buffer contiguous and read it through these strides (eager: a view)
             a = op(aten.as_strided.default, a, [m, k], [k, 1])
             b_cols = op(aten.as_strided.default, b_t, [k, n], [1, k])
+            if self.recipe.rowwise:
+                # the kernel wants the [M, 1] and [1, N] scales contiguous; a scale read through a
+                # transpose (the weight's, cast once) is a view inductor may lay out otherwise
+                sa = op(aten.as_strided.default, op(aten.clone.default, sa, memory_format=torch.contiguous_format),
+                        [m, 1], [1, 1])
+                sb = op(aten.as_strided.default, op(aten.clone.default, sb, memory_format=torch.contiguous_format),
+                        [1, n], [n, 1])
             return op(aten._scaled_mm.default, a, b_cols, sa, sb, None, None, out_dtype)
 
         if not batched:
