@@ -24,17 +24,22 @@ and scales after every step, parameters within `NATIVE_TOLERANCE`). bfloat16 tur
 design (cstorch semantics: bfloat16 has float32's range; the scaler passes through with scale 1
 and checks nothing), so its cells inject no overflow: an inf would reach the weights in every
 entry point, the eager scaler included, which `docs/COMPATIBILITY.md` lists.
+``float8-tensorwise`` / ``float8-rowwise`` are ``bfloat16-native`` with ``DLSConfig.float8``
+(every matmul of the step in float8 by that recipe), compared with torchao's
+``convert_to_float8_training`` of the same recipe under bfloat16 autocast (`run_torchao_float8`;
+parameters within `FLOAT8_TOLERANCE`), and each must have run matmuls in float8.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import os
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +56,10 @@ INIT_SCALE, GROWTH_INTERVAL, MAX_SCALE = 1024.0, 3, 2.0**24
 
 FORMATS = ("fp32", "float16", "bfloat16", "cbfloat16")
 NATIVE_FORMATS = ("float16-native", "bfloat16-native")
+# float8 columns: the native bfloat16 step (torch policy, so no loss scaling) with every matmul
+# of the step in float8 by that recipe (`DLSConfig.float8`), against torchao's float8 training
+# of the same recipe under bfloat16 autocast (`run_torchao_float8`)
+FLOAT8_FORMATS = ("float8-tensorwise", "float8-rowwise")
 # the entry points that lower: every one but the eager scalers
 NATIVE_ENTRY_POINTS = ("capture_step", "dlspass.compile", "backend=dlspass", "make_backend", "cli")
 ENTRY_POINTS = ("GradScaler", "TorchGradScaler", "capture_step", "dlspass.compile",
@@ -89,6 +98,16 @@ TOLERANCE = {"fp32": 1e-3, "float16": 0.04, "cbfloat16": 0.15, "bfloat16": 0.25}
 # (tools/compat/results.jsonl). float16's bound is about twice that and still below one lost
 # step; bfloat16's is the emulated column's (`test_tolerances_catch_lost_steps`).
 NATIVE_TOLERANCE = {"float16-native": 0.07, "bfloat16-native": 0.25}
+# Float8 cells against torchao's float8 training of the same recipe under bfloat16 autocast:
+# dlspass also runs in float8 the matmuls torchao leaves in bfloat16 (attention, F.linear), and
+# autocast keeps other ops in bfloat16 than dlspass does (as in the native columns), so the
+# updates differ by float8's round-off (e4m3: 2^-4) amplified as above: measured up to 0.18
+# (T5, both recipes; tools/compat/results.jsonl), and torchao itself lands up to 0.21 from the
+# plain bfloat16 autocast run. The bound is about twice the largest measured; four lost steps
+# (0.43) exceed it (`test_tolerances_catch_lost_steps`); bfloat16 skips no step, so the skip
+# and scale checks are trivially equal, and each cell also checks that its step ran matmuls in
+# float8 at all (`run_cell`: a float8 option an entry point dropped fails there).
+FLOAT8_TOLERANCE = {"float8-tensorwise": 0.35, "float8-rowwise": 0.35}
 
 # The cerebras policy's scale after each of the 10 steps, worked by hand from cstorch's rule
 # (the scale doubles when more than steps_per_increase = 3 steps passed since the last change,
@@ -120,6 +139,7 @@ class CellResult:
     ok: bool
     reason: str = ""
     update_error: float | None = None
+    float8_matmuls: int = 0
 
     @property
     def key(self) -> str:
@@ -134,10 +154,10 @@ def config(fmt: str) -> dlspass.DLSConfig:
     """The DLS settings of every cell in ``fmt`` (a scale that grows and backs off in 10 steps):
     the cerebras policy in the emulated formats, the torch policy (torch.amp's rule, which the
     native cells are compared with) in the native ones."""
-    if fmt in NATIVE_FORMATS:
+    if fmt in NATIVE_FORMATS or fmt in FLOAT8_FORMATS:
         return dlspass.DLSConfig(
             loss_scale="dynamic", initial_loss_scale=INIT_SCALE, steps_per_increase=GROWTH_INTERVAL,
-            fp16_type=base_format(fmt), policy="torch", precision_mode="native")
+            fp16_type=base_format(fmt), policy="torch", precision_mode="native", float8=float8_recipe(fmt))
     return dlspass.DLSConfig(
         loss_scale="dynamic", initial_loss_scale=INIT_SCALE, steps_per_increase=GROWTH_INTERVAL,
         max_loss_scale=MAX_SCALE, fp16_type="float16" if fmt == "fp32" else fmt,
@@ -145,8 +165,13 @@ def config(fmt: str) -> dlspass.DLSConfig:
 
 
 def base_format(fmt: str) -> str:
-    """The 16-bit format of a column: ``bfloat16`` for ``bfloat16-native``."""
-    return fmt.removesuffix("-native")
+    """The 16-bit format of a column: ``bfloat16`` for ``bfloat16-native`` and the float8 ones."""
+    return "bfloat16" if fmt in FLOAT8_FORMATS else fmt.removesuffix("-native")
+
+
+def float8_recipe(fmt: str) -> str | None:
+    """The float8 recipe of a column (``tensorwise`` for ``float8-tensorwise``), or None."""
+    return fmt.removeprefix("float8-") if fmt in FLOAT8_FORMATS else None
 
 
 def overflow_step(fmt: str) -> int | None:
@@ -238,6 +263,19 @@ def run_torch_autocast(case: zoo.Case, fmt: str, accumulate: bool = False) -> Tr
     return tr
 
 
+def run_torchao_float8(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
+    """The reference of a float8 column: torchao 0.18.0's ``convert_to_float8_training`` with
+    the column's recipe (``emulate=True``: its float8 math on a CPU) trained under bfloat16
+    ``torch.autocast`` (torchao's own recipe; bfloat16 needs no loss scaler). It converts the
+    ``nn.Linear`` layers only; dlspass converts every matmul of the step."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    base = Float8LinearConfig.from_recipe_name(float8_recipe(fmt))
+    config = Float8LinearConfig(**{**base.__dict__, "emulate": True})
+    converted = convert_to_float8_training(case.model, config=config)
+    return run_torch_autocast(zoo.Case(converted, case.batch, case.loss_fn), fmt, accumulate)
+
+
 def run_torch_grad_scaler(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
     return _torch_style(case, fmt, accumulate, dlspass.TorchGradScaler(
         "cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL))
@@ -280,7 +318,7 @@ def run_compile(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
 def _backend_options(fmt: str) -> dict[str, object]:
     cfg = config(fmt)
     return {"fp16_type": cfg.fp16_type, "mixed_precision": cfg.mixed_precision,
-            "precision_mode": cfg.lowering_mode, "backend_compiler": BACKEND_COMPILER}
+            "precision_mode": cfg.lowering_mode, "float8": cfg.float8, "backend_compiler": BACKEND_COMPILER}
 
 
 def run_backend(case: zoo.Case, fmt: str, accumulate: bool = False) -> Trace:
@@ -363,13 +401,14 @@ def run_cli(case: zoo.Case, fmt: str, accumulate: bool = False, name: str = "") 
     cfg = config(fmt)
     with tempfile.TemporaryDirectory(prefix="dlspass-matrix-") as tmp:
         d = Path(tmp)
-        (d / "params.yaml").write_text((CLI_NATIVE_YAML if fmt in NATIVE_FORMATS else CLI_YAML).format(
+        native = fmt in NATIVE_FORMATS or fmt in FLOAT8_FORMATS
+        (d / "params.yaml").write_text((CLI_NATIVE_YAML if native else CLI_YAML).format(
             fp16_type=cfg.fp16_type, init=INIT_SCALE, growth=GROWTH_INTERVAL, max=MAX_SCALE))
         _cli("export", f"zoo:cli_{name}", "-o", d / "joint.pt2")
         _cli("transform", d / "joint.pt2", "-o", d / "step.pt2", "--config", d / "params.yaml",
              "--optimizer", "adamw", "--lr", LR, "--weight-decay", WEIGHT_DECAY,
              "--mixed-precision" if cfg.mixed_precision else "--no-mixed-precision",
-             "--precision-mode", cfg.lowering_mode)
+             "--precision-mode", cfg.lowering_mode, *(("--float8", cfg.float8) if cfg.float8 else ()))
         import dlspass.formats  # noqa: F401 - registers dlspass::round_to_format for loading
 
         m = torch.export.load(str(d / "step.pt2")).module()
@@ -399,8 +438,8 @@ RUNNERS: dict[str, Callable[..., Trace]] = {
 def reference(model: str, fmt: str, accumulate: bool, torch_amp: bool = False) -> Trace:
     """The reference run (cached per process): torch.amp, or torch.autocast + torch.amp for a
     native column, or the eager dlspass.GradScaler."""
-    run = (run_torch_autocast if fmt in NATIVE_FORMATS else run_torch_amp if torch_amp
-           else run_grad_scaler)
+    run = (run_torchao_float8 if fmt in FLOAT8_FORMATS else run_torch_autocast if fmt in NATIVE_FORMATS
+           else run_torch_amp if torch_amp else run_grad_scaler)
     return run(zoo.MODELS[model](), fmt, accumulate)
 
 
@@ -450,6 +489,31 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg}"[:300]
 
 
+@contextlib.contextmanager
+def _float8_spy() -> Iterator[list[int]]:
+    """Within it, the list gets the number of matmuls ``LowerMatmulsToFloat8Pass`` converted
+    in each graph it rewrote, whichever entry point ran it (the pass is the one place every
+    entry point's float8 goes through; the CLI runs in this process)."""
+    from dlspass.passes.lower_matmuls_to_float8_pass import (
+        LowerMatmulsToFloat8Pass,
+        float8_decisions,
+    )
+
+    counts: list[int] = []
+    rewrite = LowerMatmulsToFloat8Pass.rewrite
+
+    def counted(self: LowerMatmulsToFloat8Pass, gm: torch.fx.GraphModule) -> bool:
+        changed = rewrite(self, gm)
+        counts.append(sum(d["float8"] is not None for d in float8_decisions(gm.graph).values()))
+        return changed
+
+    LowerMatmulsToFloat8Pass.rewrite = counted  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        LowerMatmulsToFloat8Pass.rewrite = rewrite  # type: ignore[method-assign]
+
+
 def run_cell(model: str, entry: str, fmt: str, accumulate: bool = False) -> CellResult:
     """Train ``model`` through ``entry`` in ``fmt`` and compare with its reference."""
     res = CellResult(model, entry, fmt, accumulate, ok=False)
@@ -457,10 +521,15 @@ def run_cell(model: str, entry: str, fmt: str, accumulate: bool = False) -> Cell
     try:
         case = zoo.MODELS[model]()
         runner = RUNNERS[entry]
-        got = runner(case, fmt, accumulate, name=model) if entry == "cli" else runner(case, fmt, accumulate)
+        with _float8_spy() as converted:
+            got = runner(case, fmt, accumulate, name=model) if entry == "cli" else runner(case, fmt, accumulate)
     except Exception as exc:  # the matrix records what a user would see
         res.reason = _one_line(exc)
         res.trace = traceback.format_exc()  # type: ignore[attr-defined]
+        return res
+    res.float8_matmuls = sum(converted)
+    if fmt in FLOAT8_FORMATS and not res.float8_matmuls:
+        res.reason = f"no matmul of the step ran in float8 (the {entry} step took no float8 recipe)"
         return res
     if entry in EAGER:
         ref = reference(model, fmt, accumulate, torch_amp=True)
@@ -470,7 +539,7 @@ def run_cell(model: str, entry: str, fmt: str, accumulate: bool = False) -> Cell
                                 bitwise=entry == "TorchGradScaler")
     else:
         ref = reference(model, fmt, accumulate)
-        tol = NATIVE_TOLERANCE[fmt] if fmt in NATIVE_FORMATS else TOLERANCE[fmt]
+        tol = {**TOLERANCE, **NATIVE_TOLERANCE, **FLOAT8_TOLERANCE}[fmt]
         failures, err = compare(got, ref, initial_params(model), tol)
     res.ok, res.reason, res.update_error = not failures, "; ".join(failures), err
     return res
@@ -484,7 +553,7 @@ def cells() -> list[tuple[str, str, str, bool]]:
             for fmt in ("fp32",) if entry in EAGER else FORMATS:
                 out.append((model, entry, fmt, False))
             if entry in NATIVE_ENTRY_POINTS:
-                out += [(model, entry, fmt, False) for fmt in NATIVE_FORMATS]
+                out += [(model, entry, fmt, False) for fmt in (*NATIVE_FORMATS, *FLOAT8_FORMATS)]
             if entry in ACCUMULATING:
                 out.append((model, entry, "fp32", True))
     return out

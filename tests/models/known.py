@@ -13,6 +13,7 @@ from dataclasses import dataclass
 LOWERED = ("float16", "bfloat16", "cbfloat16")
 FORMATS = ("fp32", *LOWERED)
 NATIVE = ("float16-native", "bfloat16-native")
+FLOAT8 = ("float8-tensorwise", "float8-rowwise")
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ KNOWN: dict[str, Known] = {
     _key("graph_break", "dlspass.compile", "fp32", True): ONE_GRAPH,
     **{_key(m, "dlspass.compile", "fp32", True): ONE_BACKWARD
        for m in ("resnet", "convnext", "vit", "bert", "gpt2", "t5", "mhagpt")},
-    **{_key("graph_break", "dlspass.compile", f): ONE_GRAPH for f in NATIVE},
+    **{_key("graph_break", "dlspass.compile", f): ONE_GRAPH for f in (*NATIVE, *FLOAT8)},
     **{_key("convnext", e, "float16"): CONVNEXT_FLOAT16
        for e in ("capture_step", "cli", "dlspass.compile", "make_backend", "backend=dlspass")},
 }

@@ -11,6 +11,7 @@ entry is removed and the table regenerated.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import harness  # tests/models is on pytest's pythonpath (pyproject.toml)
 import known
@@ -39,6 +40,13 @@ FAST = {
         ("graph_break", "backend=dlspass", "bfloat16-native"),
         ("resnet", "capture_step", "float16-native"),
         ("graph_break", "cli", "float16-native"),
+        # float8 against torchao's float8 training, both recipes, every entry point on the small
+        # models (make_backend rowwise with inductor: the rowwise scales' layout, which inductor
+        # once laid out transposed for torch._scaled_mm)
+        ("mhagpt", "capture_step", "float8-tensorwise"),
+        ("graph_break", "make_backend", "float8-rowwise"),
+        ("graph_break", "backend=dlspass", "float8-tensorwise"),
+        ("graph_break", "cli", "float8-rowwise"),
     )),
     # dlspass.compile native: tests/test_native_precision.py trains MHAGPT through it by default
     # gpt2 cli fp32 is slow here: tests/test_cli_outside_models.py trains the same CLI path in
@@ -107,7 +115,8 @@ def test_compare_catches_a_wrong_skip_and_scale() -> None:
 
 @pytest.mark.parametrize("model", ["gpt2", "resnet"])
 def test_tolerances_catch_lost_steps(model: str) -> None:
-    """One lost update exceeds the fp32 and float16 bounds, four lost updates every bound."""
+    """One lost update exceeds the fp32 and float16 bounds, four lost updates every bound
+    (the float8 columns' too)."""
     init = harness.initial_params(model)
     ref = _plain_adamw(zoo.MODELS[model](), (harness.OVERFLOW_STEP,))
     one = _plain_adamw(zoo.MODELS[model](), (harness.OVERFLOW_STEP, 6))
@@ -118,6 +127,7 @@ def test_tolerances_catch_lost_steps(model: str) -> None:
     native = harness.NATIVE_TOLERANCE
     assert harness.update_error(one.params, ref.params, init) > native["float16-native"]
     assert harness.update_error(four.params, ref.params, init) > max(native.values())
+    assert harness.update_error(four.params, ref.params, init) > max(harness.FLOAT8_TOLERANCE.values())
 
 
 def test_reference_matches_plain_adamw_that_skips_the_overflow_step() -> None:
@@ -141,3 +151,34 @@ def test_bfloat16_scaler_passes_an_inf_through_by_design() -> None:
     scaler.update()
     assert not torch.isfinite(case.model.b.weight).all()
     assert int(scaler.get_num_skipped_steps()) == 0
+
+
+# ---- docs/COMPATIBILITY.md's float8 cells are what a rerun gives ------------------------------
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "COMPATIBILITY.md"
+
+
+def _doc_cell(model: str, entry: str, fmt: str) -> str:
+    """The text of one cell of the document's first table (one backward per step)."""
+    lines = DOC.read_text().splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("| model | entry point |"))
+    columns = [c.strip() for c in lines[header].strip("|").split("|")]
+    for ln in lines[header + 2:]:
+        if not ln.startswith("|"):
+            break
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        if cells[0] == model and cells[1] == f"`{entry}`":
+            return cells[columns.index(fmt.replace("-", " "))]
+    raise AssertionError(f"no row {model} {entry} in {DOC}")
+
+
+@pytest.mark.parametrize(("model", "entry", "fmt"), [
+    ("graph_break", "cli", "float8-rowwise"),
+    ("mhagpt", "capture_step", "float8-tensorwise"),
+])
+def test_the_documented_float8_cells_are_what_a_rerun_gives(model: str, entry: str, fmt: str) -> None:
+    """A sample of the generated table: the cell reads "works (N)" with N the matmuls the
+    rerun ran in float8 (tools/compat/run_models.py wrote it from its own run)."""
+    res = harness.run_cell(model, entry, fmt)
+    assert res.ok, res.reason
+    assert _doc_cell(model, entry, fmt) == f"works ({res.float8_matmuls})"

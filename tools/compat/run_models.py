@@ -43,15 +43,14 @@ FLOAT8_INTRO = """
 ## float8
 
 Matmuls of one training step (forward and backward: `mm`, `addmm`, `bmm`) that run in float8 with
-`float8="tensorwise"` (dlspass, counted in the `capture_step` graph) and with torchao 0.18.0's
-`convert_to_float8_training` (the matmuls that read its float8 tensors, `emulate=True`), from
-`tools/bench/bench_float8.py --counts` (below: its command and machine). Every entry point runs
-the recipes (`capture_step`, `dlspass.compile`, `backend="dlspass"`, `make_backend` and
-`dlspass transform --float8` to a .pt2; ONNX output refuses float8 in one line), checked on the
-GPT on `nn.MultiheadAttention` by `tests/test_float8_entry_points.py` and
-`tests/passes/test_lower_matmuls_to_float8_pass.py`; the matrix's training cells are not run in
-float8. The rest of each model's matmul-like ops (fused attention kernels, convolutions) stays in
-the step's precision, with its reason in `dlspass inspect`.
+`float8="tensorwise"` (dlspass, counted in the `capture_step` graph, default filter
+`float8_filter="all"`) and with torchao 0.18.0's `convert_to_float8_training` (its default: no
+`module_filter_fn`; the matmuls that read its float8 tensors, `emulate=True`), from
+`tools/bench/bench_float8.py --counts` (below: its command and machine). Each matrix model
+trains through every entry point in both recipes in the float8 columns of the table above
+(ONNX output refuses float8 in one line). The rest of each model's matmul-like ops (fused
+attention kernels, convolutions) stays in the step's precision, with its reason in
+`dlspass inspect`.
 
 """
 
@@ -76,7 +75,8 @@ def run_one(model: str, entry: str, fmt: str, accumulate: bool) -> None:
     res = harness.run_cell(model, entry, fmt, accumulate)
     out = {"key": res.key, "model": model, "entry": entry, "fmt": fmt, "accumulate": accumulate,
            "compiler": _compiler(entry), "status": "works" if res.ok else "fails", "reason": res.reason,
-           "update_error": res.update_error, "seconds": round(time.perf_counter() - t0, 1)}
+           "update_error": res.update_error, "float8_matmuls": res.float8_matmuls,
+           "seconds": round(time.perf_counter() - t0, 1)}
     print(MARK + json.dumps(out), flush=True)
 
 
@@ -114,7 +114,7 @@ def ordered_cells() -> list[tuple[str, str, str, bool]]:
     """By format (fp32, then cbfloat16, float16, bfloat16), then model size, then entry-point
     cost, accumulation last: a time box cuts the slowest and least informative cells."""
     fmt_cost = {"fp32": 0, "cbfloat16": 1, "float16": 2, "bfloat16": 3, "float16-native": 4,
-                "bfloat16-native": 5}
+                "bfloat16-native": 5, "float8-tensorwise": 6, "float8-rowwise": 7}
     return sorted(harness.cells(), key=lambda c: (
         c[3], fmt_cost[c[2]], MODEL_COST[c[0]], ENTRY_COST[c[1]]))
 
@@ -148,7 +148,8 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
         if r is None:
             return "not run"
         if r["status"] == "works":
-            return "works"
+            # float8: how many matmuls of the step ran in float8 (all graphs of the entry point)
+            return f"works ({r['float8_matmuls']})" if r.get("float8_matmuls") else "works"
         reason = r["reason"].replace("`", "'")
         # cells failing for one known cause share a note (the first error line seen for it)
         group = expected.summary if expected is not None else reason
@@ -200,6 +201,19 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
         + " of autocast's (`harness.NATIVE_TOLERANCE`: autocast on CPU runs layer norm, softmax "
         "and the losses in 16 bits, dlspass keeps them in float32 as CUDA's autocast does).",
         "",
+        "**float8 columns** (`float8 tensorwise`, `float8 rowwise`): the `bfloat16 native` step "
+        "with `DLSConfig(float8=...)`, every matmul of the step (forward and backward, the "
+        "default filter `float8_filter=\"all\"`) in float8 by that recipe with `torch._scaled_mm`, "
+        "compared with torchao 0.18.0's `convert_to_float8_training` of the same recipe "
+        "(`emulate=True`, its float8 math on a CPU) trained under bfloat16 `torch.autocast`: no "
+        "non-finite weight and the update within "
+        + ", ".join(f"{k} {v}" for k, v in harness.FLOAT8_TOLERANCE.items())
+        + " of torchao's (`harness.FLOAT8_TOLERANCE`: dlspass also runs in float8 the matmuls "
+        "torchao leaves in bfloat16, and autocast keeps other ops in bfloat16). The number after "
+        "**works** is how many matmuls ran in float8 in the step's graphs (a cell whose step ran "
+        "none fails); `tools/bench/bench_float8.py --counts` compares the counts with torchao's "
+        "(section float8 below).",
+        "",
         "Compiled entry points (`dlspass.compile`, `backend=dlspass`, `make_backend`) are "
         "meant to run with inductor; \"eager:\" after a cell is the same cell with "
         "`backend_compiler=\"eager\"` (`--backend-compiler eager`: every dlspass rewrite, the "
@@ -217,7 +231,7 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
         "",
     ]
     for accumulate in (False, True):
-        fmts = ("fp32",) if accumulate else (*harness.FORMATS, *harness.NATIVE_FORMATS)
+        fmts = ("fp32",) if accumulate else (*harness.FORMATS, *harness.NATIVE_FORMATS, *harness.FLOAT8_FORMATS)
         lines.append("## Gradient accumulation (two backward calls per step, inf in the first)"
                      if accumulate else "## One backward per step")
         lines.append("")
@@ -235,7 +249,8 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
                 row = []
                 for fmt in fmts:
                     if (entry in harness.EAGER and fmt != "fp32") or (
-                            fmt in harness.NATIVE_FORMATS and entry not in harness.NATIVE_ENTRY_POINTS):
+                            fmt in (*harness.NATIVE_FORMATS, *harness.FLOAT8_FORMATS)
+                            and entry not in harness.NATIVE_ENTRY_POINTS):
                         row.append("—")
                         continue
                     key = harness.cell_id(model, entry, fmt, accumulate)
