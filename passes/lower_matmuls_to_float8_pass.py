@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from dlspass.config import FLOAT8_RECIPES, PRECISION_MODES, ConfigError, DLSConfig, PrecisionMode
 from dlspass.float8_policy import (
@@ -141,7 +142,7 @@ class LowerMatmulsToFloat8Pass(DLSPass):
         va, vb = a.meta["val"], b.meta["val"]
         param = _param_of(node)
         module = param.rpartition(".")[0] if param else _stack_path(node)
-        site = MatmulSite(module, _op_name(node), va.shape[-2], va.shape[-1], vb.shape[-1],
+        site = MatmulSite(module, _op_name(node), _dim(va.shape[-2]), _dim(va.shape[-1]), _dim(vb.shape[-1]),
                           weights.get(param) if param else None)
         if node.target is aten.addmm.default and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
             return "addmm with beta or alpha other than 1", site
@@ -149,6 +150,8 @@ class LowerMatmulsToFloat8Pass(DLSPass):
             return "integer operands", site
         if va.numel() == 0 or vb.numel() == 0:
             return "empty operand", site
+        if self.mode == "native" and node.target is aten.bmm.default and not isinstance(va.shape[0], int):
+            return "bmm with a symbolic batch size (native runs one torch._scaled_mm per batch entry)", site
         return self.filter.reason_to_skip(site, self.recipe), site
 
     # -- the rewrite ---------------------------------------------------------------------------
@@ -234,7 +237,12 @@ class LowerMatmulsToFloat8Pass(DLSPass):
         inv_b = op(aten.reciprocal.default, qb.scale)
 
         def one(a: fx.Node, b: fx.Node, sa: fx.Node, sb: fx.Node) -> fx.Node:
-            (m, k), n = a.meta["val"].shape, b.meta["val"].shape[1]
+            def dim(x: fx.Node, d: int) -> int | fx.Node:
+                # a symbolic size (dynamic shapes) is read from the tensor in the graph
+                size = x.meta["val"].shape[d]
+                return size if isinstance(size, int) else op(aten.sym_size.int, x, d)
+
+            m, k, n = dim(a, 0), dim(a, 1), dim(b, 1)
             if not a.meta["val"].is_contiguous():
                 a = op(aten.clone.default, a, memory_format=torch.contiguous_format)
             b_t = b
@@ -311,6 +319,13 @@ def float8_casts(graph: fx.Graph) -> list[tuple[str, str, Float8Cast]]:
             info = json.loads(record)
             found += [(info["matmul"], side, cast_named(info[side])) for side in ("a", "b")]
     return found
+
+
+def _dim(size: int | torch.SymInt) -> int:
+    """A size as the filter judges and the decisions record it: a symbolic size (a dynamic-shape
+    graph, e.g. ``dlspass.compile`` after a recompile) at its example value, with no guard: the
+    choice of float8 is an optimisation, as inductor's uses of the hint are."""
+    return optimization_hint(size)
 
 
 def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node]:
@@ -412,7 +427,7 @@ def _weight_sizes(graph: fx.Graph, grad_side: dict[fx.Node, None]) -> dict[str, 
         src = _param_operand(node)
         if src is None or "val" not in src.meta or src.meta["val"].dim() != 2:
             continue
-        p0, p1 = src.meta["val"].shape
-        k = _operands(node)[0].meta["val"].shape[-1]
+        p0, p1 = map(_dim, src.meta["val"].shape)
+        k = _dim(_operands(node)[0].meta["val"].shape[-1])
         sizes.setdefault(roles.target_of(src), (p0, p1) if p1 == k else (p1, p0))
     return sizes

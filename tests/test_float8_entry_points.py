@@ -262,3 +262,30 @@ def test_backend_options_take_the_float8_filter_as_every_entry_point_does() -> N
     assert (config.float8, config.float8_filter) == ("rowwise", "auto,skip:head")
     with pytest.raises(dlspass.ConfigError, match="^float8_filter: unknown entry"):
         dynamo_backend.validate_options({"float8": "rowwise", "float8_filter": "small"})
+
+
+@pytest.mark.parametrize("mode", ["native", "emulate"])
+def test_a_dynamic_shape_graph_converts_and_records_its_sizes_at_their_example_values(mode: str) -> None:
+    """``dynamic=True`` (or dynamo's automatic dynamic shapes after a recompile, which
+    ``dlspass.compile`` met on its second model in one process): the batch size is symbolic;
+    the filter reads it at its example value and the decisions record plain ints."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    backend = dlspass.make_backend(config=dlspass.DLSConfig(fp16_type="bfloat16", float8="tensorwise",
+                                                            precision_mode=mode), backend_compiler="eager")
+    torch._dynamo.reset()
+    cmodel = torch.compile(model, backend=backend, dynamic=True)
+    for batch in (3, 5):
+        x = torch.randn(batch, 16)
+        out = cmodel(x)
+        out.square().mean().backward()
+        # float8 operands carry 3 (e4m3) mantissa bits: relative rounding up to 2**-4 each,
+        # 2**-3 for a product, bounded by the largest output (terms of both signs cancel)
+        ref = model(x).detach()
+        torch.testing.assert_close(out.detach().float(), ref, rtol=0, atol=2**-3 * float(ref.abs().max()))
+    if mode == "native":  # the joint graph carries the decisions; its halves the kernels
+        assert sum(n.target is aten._scaled_mm.default for g in backend.graphs for n in g.graph.nodes) >= 5
+        return
+    decisions = [d for g in backend.graphs for d in float8_decisions(g.graph).values()]
+    assert decisions and all(d["float8"] == "tensorwise" for d in decisions)
+    assert all(isinstance(v, int) for d in decisions for v in d["mkn"])

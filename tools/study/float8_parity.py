@@ -88,6 +88,7 @@ def _train(name: str, seed: int, run: str, steps: int, lr: float) -> list[float]
             opt.zero_grad()
             return loss.detach()
 
+        torch._dynamo.reset()  # each run compiles its own step, as a fresh process would
         compiled = dlspass.compile(train_step, optimizer=opt, config=config, backend_compiler="eager")
         step: Callable[[], Tensor] = lambda: compiled(*case.batch)  # noqa: E731
     else:
