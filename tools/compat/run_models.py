@@ -210,9 +210,11 @@ def render(results: dict[str, dict], command: str, started: str, note: str = "")
         + ", ".join(f"{k} {v}" for k, v in harness.FLOAT8_TOLERANCE.items())
         + " of torchao's (`harness.FLOAT8_TOLERANCE`: dlspass also runs in float8 the matmuls "
         "torchao leaves in bfloat16, and autocast keeps other ops in bfloat16). The number after "
-        "**works** is how many matmuls ran in float8 in the step's graphs (a cell whose step ran "
-        "none fails); `tools/bench/bench_float8.py --counts` compares the counts with torchao's "
-        "(section float8 below).",
+        "**works** is how many matmuls `LowerMatmulsToFloat8Pass` converted, summed over every "
+        "graph the entry point rewrote (a graph dynamo compiles again counts again; the CLI's "
+        "exported program spells a fused attention kernel as batched matmuls, which it converts "
+        "too); a cell whose step ran none fails. `tools/bench/bench_float8.py --counts` compares "
+        "the counts of one step with torchao's (section float8 below).",
         "",
         "Compiled entry points (`dlspass.compile`, `backend=dlspass`, `make_backend`) are "
         "meant to run with inductor; \"eager:\" after a cell is the same cell with "
