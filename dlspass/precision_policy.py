@@ -9,7 +9,12 @@ of CUDA) written at the ATen level of a captured training step, forward and back
   really live in 16 bits and can underflow;
 - ``FP32_OPS`` run in float32 whatever their inputs (softmax and log_softmax, layer and group
   norm, losses, sums, means, variances, exp/log/pow and the other ops autocast widens), forward
-  and backward;
+  and backward: CUDA autocast's lists. On CPU, autocast runs the pointwise math of that list
+  (``FP32_POINTWISE_OPS``: exp, log, pow, rsqrt, ...) in its inputs' dtype, and so does
+  ``policy_for(fmt, "cpu")`` (``CPU_FP32_OPS``): a tanh GELU (``pow(x, 3)``) then stays
+  16-bit, as do the values its backward reads. The norms, softmax, reductions and losses stay
+  float32 on every device (CPU autocast's layer norm is a mixed-dtype kernel, 16-bit input with
+  float32 weight and statistics, which 16-bit casts of the weight do not reproduce);
 - everything else runs in the dtype its inputs have (type promotion: an elementwise op between
   two 16-bit ops stays 16-bit, one that also reads a float32 value is float32), as under
   autocast. BatchNorm is in no list, as in autocast: its kernels take 16-bit inputs with float32
@@ -67,10 +72,14 @@ DEFAULT_LOWER_OPS = _ops(
 # statistics are float32 in the forward's output and must stay so in the backward's input.
 KEEP_DTYPE_ARGS = frozenset({"logsumexp"})
 
-FP32_OPS = _ops(
-    # autocast's fp32 list: transcendental and pow
+# CUDA autocast's fp32 list: transcendental and pow (pointwise). CPU autocast (torch 2.13) runs
+# them in their inputs' dtype.
+FP32_POINTWISE_OPS = _ops(
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
     "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "softplus_backward",
+)
+
+FP32_OPS = FP32_POINTWISE_OPS | _ops(
     # softmax (fp32_set_opt_dtype) and its backward
     "_softmax", "_log_softmax", "_safe_softmax", "_softmax_backward_data",
     "_log_softmax_backward_data", "logsumexp",
@@ -90,6 +99,10 @@ FP32_OPS = _ops(
     # reductions (fp32_set_opt_dtype) and means
     "sum", "mean", "prod", "cumsum", "cumprod",
 )
+
+CPU_FP32_OPS = FP32_OPS - FP32_POINTWISE_OPS
+"""What the native lowering keeps in float32 on CPU: ``FP32_OPS`` less the pointwise math CPU
+autocast runs in 16 bits."""
 
 # Ops whose output holds exactly the values of their first input: a rounded value stays rounded.
 VALUE_PRESERVING_OPS = _ops(
@@ -131,6 +144,13 @@ class PrecisionPolicy:
     def keeps_fp32(self, target: object) -> bool:
         """True when a node calling ``target`` runs in float32 whatever its inputs (native mode)."""
         return target in self.fp32_ops
+
+
+def policy_for(fmt: str, device_type: str) -> PrecisionPolicy:
+    """The default policy of a step whose matmuls run on ``device_type`` ("cpu", "cuda", ...):
+    autocast's float32 list of that device (CPU's leaves the pointwise math in 16 bits, which is
+    also what keeps a tanh GELU's saved values 16-bit there); other devices get CUDA's."""
+    return PrecisionPolicy(fmt, fp32_ops=CPU_FP32_OPS if device_type == "cpu" else FP32_OPS)
 
 
 # ---- attention: the kernel SDPA's dispatch gives 16-bit q, k, v ------------------------------

@@ -20,6 +20,7 @@ from dlspass.precision_policy import (
     VALUE_PRESERVING_OPS,
     WHOLE_VIEW_OPS,
     PrecisionPolicy,
+    policy_for,
 )
 
 _CET = torch.ops.prims.convert_element_type.default
@@ -40,7 +41,8 @@ class LowerPrecisionPass(DLSPass):
     inside float32 tensors (``dlspass::round_to_format``): the numerics of 16-bit training, any
     format (cbfloat16 included), float32 kernels. ``native`` gives the graph the dtypes autocast
     would: the 16-bit ops read 16-bit casts of their inputs and write 16-bit outputs, the policy's
-    float32 ops (softmax, norms, losses, reductions, exp/pow) read float32, every other op runs in
+    float32 ops (softmax, norms, losses, reductions; exp/pow where the device's autocast widens
+    them, ``policy_for``) read float32, every other op runs in
     the dtype type promotion gives it (so activations between 16-bit ops, and the values the
     backward reads, are 16-bit), and every node with a step role (gradient, seed, optimizer, DLS
     math) and every graph output keeps its float32. Each tensor is cast at most once per dtype.
@@ -59,6 +61,9 @@ class LowerPrecisionPass(DLSPass):
         super().__init__(None)
         self.fmt = fmt
         self.mode = mode
+        # no policy given: the device's (``policy_for``), chosen in ``rewrite`` from where the
+        # graph's 16-bit ops run; until then CUDA's lists (the lowered ops are alike everywhere)
+        self._given = policy
         self.policy = policy or PrecisionPolicy(fmt)
         self._rewrote = False
 
@@ -80,6 +85,8 @@ class LowerPrecisionPass(DLSPass):
     def rewrite(self, gm: fx.GraphModule) -> bool:
         self._rewrote = True
         targets = self._targets(gm.graph)
+        if self._given is None:
+            self.policy = policy_for(self.fmt, _device_type(targets))
         lower = self._emulate if self.mode == "emulate" else self._native
         lower(gm.graph, targets)
         return bool(targets)
@@ -294,6 +301,16 @@ def check_native(graph: fx.Graph, dtype: torch.dtype, policy: PrecisionPolicy) -
             if half:
                 raise PassContractError(f"lower_precision: float32 node {node.name!r} "
                                         f"({roles.role_of(node) or node.target}) sees 16-bit {half}")
+
+
+def _device_type(ops: list[fx.Node]) -> str:
+    """Where the policy's ops run: the device of the first one's output (its fake value); "cpu"
+    when none has one (nothing is lowered then)."""
+    for op in ops:
+        for v in pytree.tree_leaves(op.meta.get("val")):
+            if isinstance(v, torch.Tensor):
+                return v.device.type
+    return "cpu"
 
 
 def _arg_names(node: fx.Node) -> list[str]:

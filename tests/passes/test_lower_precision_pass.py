@@ -180,3 +180,55 @@ def test_native_pipeline_runs_conv_and_bmm_in_float16_close_to_emulation(make) -
     for k in want[roles.PARAM_UPDATE]:
         torch.testing.assert_close(got[roles.PARAM_UPDATE][k], want[roles.PARAM_UPDATE][k],
                                    rtol=1e-2, atol=1e-3)
+
+
+def _mm_pow_exp(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A matmul, then the pointwise math of a tanh GELU (pow) and an exp, then a matmul: every
+    intermediate returned, so eager autocast shows the dtype it runs each one in."""
+    h = x @ w
+    p = h + 0.044715 * torch.pow(h, 3.0)
+    e = torch.exp(p)
+    return h, p, e, e @ w
+
+
+def _lowered_mm_pow_exp(device: str) -> dict[object, torch.dtype]:
+    """Native bfloat16 lowering of ``_mm_pow_exp`` traced on ``device`` (fake tensors): the
+    dtype each of its mm, pow and exp nodes runs in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        gm = make_fx(_mm_pow_exp)(torch.empty(4, 8, device=device), torch.empty(8, 8, device=device))
+    LowerPrecisionPass("bfloat16", "native")(gm)
+    want = (aten.mm.default, aten.pow.Tensor_Scalar, aten.exp.default)
+    return {n.target: n.meta["val"].dtype for n in gm.graph.nodes if n.target in want}
+
+
+def test_native_follows_each_devices_autocast_for_pointwise_math() -> None:
+    """pow and exp (a tanh GELU's math) run as the device's autocast runs them: on CPU in their
+    16-bit inputs' dtype (checked against torch.autocast("cpu") on the same function), so the
+    values a backward reads stay 16-bit; on CUDA in float32 (CUDA autocast's float32 list; not
+    checkable against torch here: a CPU-only torch disables CUDA autocast, so the fake-CUDA
+    graph is checked against the list)."""
+    x, w = torch.randn(4, 8), torch.randn(8, 8) * 0.1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h, p, e, _ = _mm_pow_exp(x, w)
+    cpu = _lowered_mm_pow_exp("cpu")
+    assert cpu == {aten.mm.default: h.dtype, aten.pow.Tensor_Scalar: p.dtype, aten.exp.default: e.dtype}
+    assert cpu[aten.pow.Tensor_Scalar] == torch.bfloat16  # the reference does not widen on CPU
+    cuda = _lowered_mm_pow_exp("cuda")
+    assert cuda == {aten.mm.default: torch.bfloat16, aten.pow.Tensor_Scalar: torch.float32,
+                    aten.exp.default: torch.float32}
+
+
+def test_policy_for_keeps_norms_softmax_and_losses_float32_on_every_device() -> None:
+    from dlspass.precision_policy import FP32_OPS, FP32_POINTWISE_OPS, policy_for
+
+    cpu, cuda = policy_for("bfloat16", "cpu"), policy_for("bfloat16", "cuda")
+    assert cuda.fp32_ops == FP32_OPS and cpu.fp32_ops == FP32_OPS - FP32_POINTWISE_OPS
+    for op in (aten.native_layer_norm.default, aten._log_softmax.default, aten._softmax.default,
+               aten.nll_loss_forward.default, aten.sum.dim_IntList):
+        assert cpu.keeps_fp32(op) and cuda.keeps_fp32(op), op
+    for op in (aten.pow.Tensor_Scalar, aten.exp.default, aten.rsqrt.default):
+        assert cuda.keeps_fp32(op) and not cpu.keeps_fp32(op), op
+    assert cpu.lower_ops == cuda.lower_ops
