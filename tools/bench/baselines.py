@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
+
+K = TypeVar("K")
+R = TypeVar("R")
 
 
 def torch_best_practice_step(model: nn.Module, loss_of: Callable[..., Tensor],
@@ -49,3 +54,21 @@ def whole_step(model: nn.Module, loss_of: Callable[..., Tensor],
         return loss.detach()
 
     return train_step
+
+
+def run_and_report(jobs: Iterable[tuple[K, Callable[[], R]]], report: Callable[[dict[K, R]], str],
+                   out: Path | None) -> str:
+    """Run each ``(key, job)`` in order and return the report of all their results, printed.
+
+    The report is rewritten (to ``out``, when given) after each job, so a run that a time
+    budget cuts off (``tools/bench/gpu_check.sh``) keeps the rows of the jobs that finished.
+    """
+    results: dict[K, R] = {}
+    text = ""
+    for key, job in jobs:
+        results[key] = job()
+        text = report(results)
+        if out:
+            out.write_text(text + "\n")
+    print(text)
+    return text

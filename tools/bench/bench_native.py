@@ -55,7 +55,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from baselines import torch_best_practice_step, whole_step  # this folder: the script's sys.path[0]
+from baselines import (  # this folder: sys.path[0]
+    run_and_report,
+    torch_best_practice_step,
+    whole_step,
+)
 from torch import Tensor, nn
 
 import dlspass
@@ -299,14 +303,8 @@ def main(argv: list[str] | None = None) -> str:
     command = "OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "(unset)") + " python " + \
         " ".join([str(Path(__file__).relative_to(Path.cwd())) if Path.cwd() in Path(__file__).parents
                   else __file__, *(argv if argv is not None else sys.argv[1:])])
-    results: dict[str, dict[str, dict[str, Any]]] = {}
-    for m in args.models:  # the table is rewritten after each model: a cut-off run keeps its rows
-        results[m] = run_model(m, variants, args)
-        text = report(results, args, command)
-        if args.out:
-            args.out.write_text(text + "\n")
-    print(text)
-    return text
+    jobs = [(m, lambda m=m: run_model(m, variants, args)) for m in args.models]
+    return run_and_report(jobs, lambda results: report(results, args, command), args.out)
 
 
 if __name__ == "__main__":

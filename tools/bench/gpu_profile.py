@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_native import (  # this folder: sys.path[0]
+from baselines import run_and_report  # this folder: sys.path[0]
+from bench_native import (
     DTYPES,
     MODELS,
     _dlspass_step,
@@ -292,16 +293,9 @@ def main(argv: list[str] | None = None) -> str:
         parser.exit(2, "gpu_profile: --device cuda but torch sees no CUDA device\n")
     command = (f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')} python "
                f"tools/bench/gpu_profile.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    results: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
-    text = ""
-    for m in args.models:
-        for fmt in args.formats:
-            results[(m, fmt)] = measure(m, fmt, args)
-            text = report(results, args, command)
-            if args.out:
-                args.out.write_text(text + "\n")
-    print(text)
-    return text
+    jobs = [((m, fmt), lambda m=m, fmt=fmt: measure(m, fmt, args))
+            for m in args.models for fmt in args.formats]
+    return run_and_report(jobs, lambda results: report(results, args, command), args.out)
 
 
 if __name__ == "__main__":
