@@ -4,8 +4,6 @@ Order (one pass per file, ``VerbNounPass`` in ``verb_noun_pass.py``):
 
 1. ``LowerPrecisionPass``  mm/bmm/conv forward and backward in 16 bits (``mixed_precision``),
    then (native mode) ``SelectAttentionKernelPass``: flash attention where SDPA would pick it,
-   and ``RecomputeForBackwardPass``: the backward recomputes cheap pointwise values (a tanh
-   GELU's) instead of keeping them from the forward, as torch's partitioner would,
    then ``LowerMatmulsToFloat8Pass``: every admitted mm/addmm/bmm in float8 with current
    scaling (``float8``); the gradients it computes reach the passes below
 2. ``ScaleSeedPass``       backward seed × loss_scale
@@ -53,7 +51,6 @@ from dlspass.passes.clip_grad_norm_pass import ClipGradNormPass
 from dlspass.passes.guard_updates_pass import GuardUpdatesPass
 from dlspass.passes.lower_matmuls_to_float8_pass import LowerMatmulsToFloat8Pass
 from dlspass.passes.lower_precision_pass import LowerPrecisionPass
-from dlspass.passes.recompute_for_backward_pass import RecomputeForBackwardPass
 from dlspass.passes.scale_seed_pass import ScaleSeedPass
 from dlspass.passes.select_attention_kernel_pass import SelectAttentionKernelPass
 from dlspass.passes.unscale_grads_pass import UnscaleGradsPass
@@ -81,9 +78,6 @@ def default_passes(config: DLSConfig | None) -> list[DLSPass]:
         if config.lowering_mode == "native":
             # after the casts: the attention kernel chosen for the 16-bit inputs (on CUDA)
             passes.append(SelectAttentionKernelPass())
-            # after the lowering: the forward values a backward reads are then in their 16-bit
-            # dtype; a whole-step graph has no partitioner to recompute the cheap ones
-            passes.append(RecomputeForBackwardPass())
     if config is not None and config.float8 is not None:
         # after the 16-bit lowering: the matmuls' operands are then the 16-bit values torchao's
         # Float8Linear casts in a 16-bit model, and their outputs keep the lowered dtype
