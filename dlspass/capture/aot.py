@@ -218,7 +218,7 @@ def step_backend(gm: fx.GraphModule, example_inputs: list[Any], *, plan: StepPla
     rewrite = functools.partial(_rewrite_step, plan=plan, keep=keep_graph)
     compiled = aot_backend(gm, example_inputs, rewrite, rewrite, plan.backend_compiler,
                            mutations_in_graph=False,
-                           inductor_config_extra=_step_inductor_config(example_inputs),
+                           inductor_config_extra=step_inductor_config(example_inputs),
                            graph_config=step_cudagraph_config,
                            cache_key=plan.cache_key() if cache and _on_cpu(example_inputs) else None)
     if not kept and on_cache_hit is not None:
@@ -280,7 +280,7 @@ def _rewrite_step(gm: fx.GraphModule, example_inputs: list[Any], *, plan: StepPl
     return [*example_inputs, *extra_examples], wrap
 
 
-def _step_inductor_config(example_inputs: list[Any]) -> dict[str, Any]:
+def step_inductor_config(example_inputs: list[Any]) -> dict[str, Any]:
     """Inductor settings for a whole training step.
 
     On CPU, inductor gives every convolution channels-last inputs whenever oneDNN is available
@@ -288,8 +288,17 @@ def _step_inductor_config(example_inputs: list[Any]) -> dict[str, Any]:
     weights, activations and gradients between layouts at every convolution, and the optimizer
     update, which the step graph holds, reads channels-last gradients beside contiguous
     parameters: a ResNet-18 step took 623 ms against 341 ms without it (tools/bench/RESULTS.md).
+
+    On every device, inductor's ``reorder_for_locality`` (a post-grad pass that moves each node's
+    producers next to it when nothing earlier reads them) is off. In a whole step it moves every
+    weight-gradient matmul, whose only reader is the optimizer update, to that update at the end
+    of the step: each activation and output gradient a weight gradient reads then stays alive
+    through the rest of the backward. With it, GPT-2's bfloat16 step held 1.14x autocast's peak
+    memory (torch's separate backward graph returns its weight gradients, which keeps them in
+    place); without it, 0.96x (tools/bench/RESULTS.md).
     """
-    return {"layout_optimization": False} if _on_cpu(example_inputs) else {}
+    return {"reorder_for_locality": False,
+            **({"layout_optimization": False} if _on_cpu(example_inputs) else {})}
 
 
 def _on_cpu(example_inputs: list[Any]) -> bool:

@@ -32,6 +32,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dlspass.cache_facts import inductor_key_config
 from dlspass.capture import step_pipeline
+from dlspass.capture.aot import step_inductor_config
 from dlspass.capture.optim import functionalize
 from dlspass.capture.runner import StepRunner
 from dlspass.capture.step_config import resolve_config
@@ -372,7 +373,9 @@ def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
     gm = clone_step_graph(gm)  # the rewritten graph stays inspectable, with its rounding op
     DecomposeRoundingPass(form="cast")(gm)
     # the CPU facts in the cache key (dlspass.cache_facts)
-    with inductor_config.patch({**INDUCTOR_CONFIG, **inductor_key_config()}):
+    # and the whole-step settings dlspass.compile's step gets (weight gradients where the
+    # backward computes them, contiguous convolutions on CPU: dlspass.capture.aot)
+    with inductor_config.patch({**INDUCTOR_CONFIG, **inductor_key_config(), **step_inductor_config(example)}):
         return compile_fx(gm, example)
 
 
