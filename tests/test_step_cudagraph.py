@@ -83,10 +83,10 @@ def test_a_cpu_step_reaches_not_cuda_and_inductor_gets_the_settings_it_had(monke
     assert not decision.record and decision.reason.startswith(NOT_CUDA) and not decision.on_cuda
     assert options == {}
     # the settings inductor compiled under: exactly those the hand-off set before the decision
-    # was wired (dlspass's own, the CPU facts with the plan's cache key, the step's layout
-    # setting), nothing of CUDA graphs
+    # was wired (dlspass's own, the CPU facts with the plan's cache key, the step's layout and
+    # node-order settings), nothing of CUDA graphs
     with inductor_config.patch({**INDUCTOR_CONFIG, **inductor_key_config(step.plan.cache_key()),
-                                "layout_optimization": False}):
+                                "layout_optimization": False, "reorder_for_locality": False}):
         expected = inductor_config.get_config_copy()
     config, cudagraphs = seen[0]
     # the CPU facts pass is made anew for each compile: the same when its cache key is
