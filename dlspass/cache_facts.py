@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -65,11 +66,21 @@ def code_fingerprint() -> str:
     a graph rewritten by an older dlspass after an upgrade; with the code in the key an upgrade
     is a miss (torch keys its own caches on its version and its source the same way).
     """
-    root = Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for root in code_roots():
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def code_roots() -> list[Path]:
+    """The folders of dlspass's source: the package and its graph passes, which ship as
+    ``dlspass.passes`` from a folder of their own (found without importing them)."""
+    passes = importlib.util.find_spec("dlspass.passes")
+    roots = [Path(__file__).resolve().parent]
+    if passes is not None and passes.origin is not None:
+        roots.append(Path(passes.origin).resolve().parent)
+    return list(dict.fromkeys(roots))  # an install that nests passes/ inside dlspass/: once
 
 
 class CacheFactsPass(CustomGraphPass):

@@ -172,3 +172,15 @@ def test_the_plan_key_changes_with_dlspass_own_code(monkeypatch):
     # an upgraded dlspass rewrites the same graph otherwise: its entries must not be served
     monkeypatch.setattr(step_plan, "code_fingerprint", lambda: "another dlspass")
     assert _plan().cache_key() != before
+
+
+def test_the_code_fingerprint_reads_the_graph_passes_too() -> None:
+    """The DLS passes ship as ``dlspass.passes`` from their own folder: an upgrade that changes
+    only a pass must change the key as well."""
+    from dlspass import cache_facts
+    from dlspass.cache_facts import code_roots
+    from dlspass.passes import guard_updates_pass
+
+    read = {path.resolve() for root in code_roots() for path in root.rglob("*.py")}
+    assert Path(guard_updates_pass.__file__).resolve() in read
+    assert Path(cache_facts.__file__).resolve() in read
