@@ -29,28 +29,27 @@ def _sgd(p, g, lr):
     return p - lr * g
 
 
-def _traced(*specs: tuple[tuple[int, ...], str]) -> fx.Graph:
-    """``_sgd`` traced on fake tensors of the given (shape, device)."""
+def sgd_on_fake(*specs: tuple[tuple[int, ...], str]) -> fx.GraphModule:
+    """``_sgd`` traced on fake tensors of the given (shape, device) (also tests/test_step_cudagraph.py's)."""
     with FakeTensorMode():
-        args = [torch.empty(shape, device=dev) for shape, dev in specs]
-        return make_fx(_sgd)(*args).graph
+        return make_fx(_sgd)(*(torch.empty(shape, device=dev) for shape, dev in specs))
 
 
 def test_an_all_cuda_static_step_is_recorded():
-    d = cudagraph_decision(step_facts(_traced(((4, 3), "cuda"), ((4, 3), "cuda"), ((), "cuda"))))
+    d = cudagraph_decision(step_facts(sgd_on_fake(((4, 3), "cuda"), ((4, 3), "cuda"), ((), "cuda")).graph))
     assert d == CudaGraphDecision(True)
     assert str(d) == "recorded as one CUDA graph"
 
 
 def test_a_cpu_step_is_not_cuda():
-    d = cudagraph_decision(step_facts(_traced(((4, 3), "cpu"), ((4, 3), "cpu"), ((), "cpu"))))
+    d = cudagraph_decision(step_facts(sgd_on_fake(((4, 3), "cpu"), ((4, 3), "cpu"), ((), "cpu")).graph))
     assert not d.record
     assert d.reason == f"{NOT_CUDA} (the step runs on cpu)"
 
 
 def test_a_cpu_hyperparameter_in_a_cuda_step_is_named():
     # the learning rate as a 0-d CPU tensor: a replay would never see a scheduler change it
-    graph = _traced(((4, 3), "cuda"), ((4, 3), "cuda"), ((), "cpu"))
+    graph = sgd_on_fake(((4, 3), "cuda"), ((4, 3), "cuda"), ((), "cpu")).graph
     d = cudagraph_decision(step_facts(graph))
     lr = [n for n in graph.nodes if n.op == "placeholder"][2].name
     assert not d.record

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
+from test_cudagraph_policy import _sgd, sgd_on_fake
 from torch._dynamo.source import ConstantSource
 from torch._inductor import config as inductor_config
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -35,16 +36,6 @@ from dlspass.cudagraph_policy import (
 )
 from dlspass.formats import INDUCTOR_CONFIG
 from dlspass.models import MLP, mse_train_step
-
-
-def _sgd(p, g, lr):
-    return p - lr * g
-
-
-def _fake(*specs: tuple[tuple[int, ...], str]) -> fx.GraphModule:
-    """``_sgd`` traced on fake tensors of the given (shape, device)."""
-    with FakeTensorMode():
-        return make_fx(_sgd)(*(torch.empty(shape, device=dev) for shape, dev in specs))
 
 
 def _cpu_step(scaler: dlspass.GradScaler | None = None):
@@ -101,7 +92,7 @@ def test_a_cpu_step_reaches_not_cuda_and_inductor_gets_the_settings_it_had(monke
 def test_a_static_all_cuda_step_gets_cudagraph_trees_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        options = aot.step_cudagraph_config(_fake(((4, 3), "cuda"), ((4, 3), "cuda"), ((), "cuda")))
+        options = aot.step_cudagraph_config(sgd_on_fake(((4, 3), "cuda"), ((4, 3), "cuda"), ((), "cuda")))
     assert options == inductor_options(CudaGraphDecision(True))
     assert options["triton.cudagraphs"] is True and options["triton.cudagraph_trees"] is True
     with inductor_config.patch(options):  # settings this torch has (an unknown key raises)
@@ -132,7 +123,7 @@ def _symbolic_cuda_graph() -> fx.GraphModule:
 
 
 @pytest.mark.parametrize(("build", "reason"), [
-    (lambda: _fake(((4, 3), "cuda"), ((4, 3), "cuda"), ((), "cpu")), CPU_TENSORS),
+    (lambda: sgd_on_fake(((4, 3), "cuda"), ((4, 3), "cuda"), ((), "cpu")), CPU_TENSORS),
     (_sync_graph, USER_SYNC),
     (_symbolic_cuda_graph, DYNAMIC_SHAPES),
 ])
@@ -151,7 +142,7 @@ def test_a_cuda_step_that_cannot_be_recorded_warns_its_reason_in_one_line(build,
 def test_a_cpu_graph_gets_no_settings_and_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert aot.step_cudagraph_config(_fake(((4, 3), "cpu"), ((4, 3), "cpu"), ((), "cpu"))) == {}
+        assert aot.step_cudagraph_config(sgd_on_fake(((4, 3), "cpu"), ((4, 3), "cpu"), ((), "cpu"))) == {}
 
 
 def test_the_decision_s_settings_reach_inductor_s_compile_of_the_step(monkeypatch):
