@@ -23,6 +23,7 @@ from dlspass.precision_policy import NATIVE_DTYPES, VALUE_PRESERVING_OPS, Precis
 BUFFER_TARGET = "dlspass_telemetry"  # the input (role INPUT) the counts are written into
 NAMES_KEY = "dlspass_telemetry_names"  # on the buffer placeholder: the JSON list of its rows
 SIZES_KEY = "dlspass_telemetry_sizes"  # on the buffer placeholder: the JSON list of each row's numel
+FLOAT8_ROW = "float8:"  # the name prefix of a float8 operand's row: float8:<matmul>.a / .b
 FLOAT8_FIELDS = ("amax", "flushed", "subnormal", "saturated")
 """The columns of a ``float8:`` row: the operand's ``max |x|``, its nonzero values the cast
 made 0, the values it made float8 subnormals, the values it clamped (``|x * scale| > max``)."""
@@ -112,7 +113,7 @@ class InsertTelemetryPass(GraphPass):
 
         args = [n for _, n in watched] + [n for c in casts for n in (c.x32, c.scaled, c.cast, c.amax)]
         (stats,) = splice(graph, counts, args, role=roles.TELEMETRY, by_pass=self.name, before=out)
-        names = [name for name, _ in watched] + [f"float8:{mm}.{side}" for mm, side, _ in operands]
+        names = [name for name, _ in watched] + [f"{FLOAT8_ROW}{mm}.{side}" for mm, side, _ in operands]
         sizes = [_numel(n) for _, n in watched] + [_numel(c.x32) for _, _, c in operands]
         buf = _add_buffer(graph, stats.meta["val"])
         custom = buf.meta.setdefault("custom", {})

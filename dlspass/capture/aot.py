@@ -14,6 +14,7 @@ whole (`step_backend`: a second process skips the joint trace, the pipeline and 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -153,10 +154,9 @@ def aot_backend(gm: fx.GraphModule, example_inputs: list[Any], fw_rewrite: Rewri
                            inference_compiler=compiler(fw_rewrite, False, True), **kwargs)
     if backend_compiler == "eager":
         return backend(gm, example_inputs)
-    if cacheable:  # AOTAutograd's key reads inductor's config before anything compiles
-        with inductor_config.patch(key_config):
-            return _inductor_context(example_inputs, lambda: backend(gm, example_inputs))
-    return _inductor_context(example_inputs, lambda: backend(gm, example_inputs))
+    # AOTAutograd's key reads inductor's config before anything compiles
+    with inductor_config.patch(key_config) if cacheable else contextlib.nullcontext():
+        return _inductor_context(example_inputs, lambda: backend(gm, example_inputs))
 
 
 def compiler_config_extra(cfx: Any, gm: fx.GraphModule, inductor_config: Any) -> Any:

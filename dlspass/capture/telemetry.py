@@ -34,6 +34,7 @@ from dlspass.passes.base import GraphPassResult, PassContractError
 from dlspass.passes.insert_telemetry_pass import (
     BUFFER_TARGET,
     FLOAT8_FIELDS,
+    FLOAT8_ROW,
     InsertTelemetryPass,
     buffer_node,
     telemetry_names,
@@ -91,7 +92,7 @@ class Telemetry:
         rows = self._provide().tolist()
         out = {}
         for name, size, row in zip(self.names, self.sizes, rows, strict=True):
-            if not name.startswith("float8:"):
+            if not name.startswith(FLOAT8_ROW):
                 out[name] = dict(zip(COUNT_FIELDS, row, strict=True))
                 continue
             counts = dict(zip(FLOAT8_FIELDS, row, strict=True))
