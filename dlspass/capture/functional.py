@@ -55,6 +55,7 @@ from dlspass.graph.step_io import StepIO, mark_backward, mark_grads, safe_name, 
 from dlspass.passes.base import PassContractError
 from dlspass.passes.decompose_rounding_pass import DecomposeRoundingPass
 from dlspass.passes.drop_copy_back_pass import DropCopyBackPass
+from dlspass.passes.write_updates_in_place_pass import WriteUpdatesInPlacePass
 from dlspass.scale_policy import STATE_FIELDS, ScalerState, init_state
 from dlspass.scaler import GradScaler
 
@@ -338,7 +339,9 @@ class CapturedStep(StepRunner):
             self.rebuild()
         flat = self._inputs_for(self._batch_leaves(batch))
         self.num_calls += 1
-        skipped = self.scaler.state.num_skipped_steps  # replaced, not written, by _write_back
+        skipped = self.scaler.state.num_skipped_steps
+        if self.compile:  # the compiled graph writes the scaler state in place (`_inductor`)
+            skipped = skipped.clone()
         with torch.no_grad():
             out = list(self._runner(*flat))
         self._write_back(out)
@@ -372,6 +375,11 @@ def _feeding(runner: Callable[..., Any], providers: list[Callable[[], Tensor]]) 
 def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
     gm = clone_step_graph(gm)  # the rewritten graph stays inspectable, with its rounding op
     DecomposeRoundingPass(form="cast")(gm)
+    # the updates land in the inputs' storage, inside the update kernels, as in dlspass.compile's
+    # step: a functional graph allocates every new parameter and state tensor while the old
+    # ones are alive and the runner copies them back (above torch's peak). Only this compiled
+    # copy: `graph_module` keeps the functional outputs that inspect and a .pt2 read.
+    WriteUpdatesInPlacePass()(gm)
     # the CPU facts in the cache key (dlspass.cache_facts)
     # and the whole-step settings dlspass.compile's step gets (weight gradients where the
     # backward computes them, contiguous convolutions on CPU: dlspass.capture.aot)
