@@ -37,6 +37,20 @@ run (``--small``: tiny models, seconds of steady time, compile dominated; the nu
 nothing): ``... bench_native.py --small --models gpt --repeats 1 --steps 1``. ``--large`` (for
 GPUs): the GPT at d 1024, 8 layers, 16 heads, vocab 8192, batch 16x512; GPT-2 at d 768, 6 layers,
 12 heads, vocab 8192, batch 16x512; ResNet-18 on batch 64 of 3x128x128.
+
+``--zoo`` takes the compatibility matrix's models instead (``tests/models/zoo.py``, their own
+tiny sizes: ``gpt2``, ``bert``, ``t5``, ``vit``, ``resnet``, ``convnext``, ``mhagpt``,
+``graph_break``); ``graph_break``'s step is not one graph, which ``dlspass.compile`` refuses by
+design, so its dlspass variant is ``backend-<fmt>``: ``torch.compile(model, backend="dlspass")``
+in the native format with fused AdamW, torch's best practice's shape with dlspass's lowering in
+place of autocast. ``--launches`` adds kernel launches per step (the kernels in the code
+inductor generates at the first call plus the ATen ops a steady step runs outside compiled
+code, ``dlspass.debug.kernel_count``, as tests/test_kernel_launches.py counts them);
+``--alloc-peak`` reads the CPU step's peak from the allocator's own events (exact, for models
+too small for the resident size); ``--no-fp32`` leaves the fp32 variant out. The matrix's
+bfloat16 rows of issue 32 (tools/bench/RESULTS.md):
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_native.py --zoo --formats bfloat16 --no-fp32 --launches --alloc-peak --repeats 15 --steps 5 --out tools/bench/results/native_zoo_bf16.md
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,6 +78,7 @@ from baselines import (  # this folder: sys.path[0]
 from torch import Tensor, nn
 
 import dlspass
+from dlspass.debug.kernel_count import compiled_launches
 from dlspass.models import MHAGPT
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -131,6 +147,30 @@ def _resnet18(size: str, device: str) -> tuple[nn.Module, Callable[..., Tensor],
 
 MODELS = {"gpt": _gpt, "gpt2": _gpt2, "resnet18": _resnet18}
 
+# the compatibility matrix's models (tests/models/zoo.py: tiny configs, docs/COMPATIBILITY.md),
+# ``--zoo``; the names of this file's three models there
+ZOO_MODELS = ("gpt2", "bert", "t5", "vit", "resnet", "convnext", "mhagpt", "graph_break")
+ZOO_NAMES = {"gpt": "mhagpt", "gpt2": "gpt2", "resnet18": "resnet"}
+# steps that are not one graph: ``dlspass.compile`` refuses them by design (docs/COMPATIBILITY.md,
+# reason 2), so their dlspass variant is the model-graph entry point (``backend-<fmt>``)
+ZOO_NOT_ONE_GRAPH = ("graph_break",)
+
+
+def zoo_model(name: str, device: str) -> tuple[nn.Module, Callable[..., Tensor], Batch]:
+    """A model of the compatibility matrix (``tests/models/zoo.py``, by its name there) in this
+    file's shape; its batch ends with the zoo's loss multiplier (1.0)."""
+    zoo_dir = str(Path(__file__).resolve().parents[2] / "tests" / "models")
+    if zoo_dir not in sys.path:
+        sys.path.insert(0, zoo_dir)
+    import zoo
+
+    case = zoo.MODELS[name]()
+
+    def loss_of(m: nn.Module, *batch: Tensor) -> Tensor:
+        return case.loss_fn(m, batch)
+
+    return case.model, loss_of, tuple(t.to(device) for t in case.batch)
+
 
 # ---- variants: step(*batch) -> loss ------------------------------------------------------------
 
@@ -151,16 +191,46 @@ def _dlspass_step(model: nn.Module, loss_of: Callable[..., Tensor], fmt: str, de
     return dlspass.compile(whole_step(model, loss_of, opt), optimizer=opt, scaler=scaler, precision_mode=mode)
 
 
-def build(model_name: str, variant: str, device: str, size: str) -> tuple[Callable[..., Tensor], Batch]:
-    """The step of ``variant`` on a fresh ``model_name`` (same seed for every variant)."""
+def _backend_step(model: nn.Module, loss_of: Callable[..., Tensor], fmt: str,
+                  device: str) -> Callable[..., Tensor]:
+    """dlspass's model-graph entry point in torch's best practice's shape, for a model whose
+    step is not one graph (``dlspass.compile`` refuses a graph break by design):
+    ``torch.compile(model, backend="dlspass")`` in the native format, fused AdamW and, for
+    float16, the eager ``dlspass.GradScaler``."""
+    cfg = dlspass.DLSConfig(fp16_type=fmt)
+    cmodel = torch.compile(model, backend="dlspass", options={"config": cfg, "precision_mode": "native"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    scaler = dlspass.GradScaler(config=cfg, device=device) if fmt == "float16" else None
+
+    def step(*batch: Tensor) -> Tensor:
+        loss = loss_of(cmodel, *batch)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def build(model_name: str, variant: str, device: str, size: str,
+          zoo: bool = False) -> tuple[Callable[..., Tensor], Batch]:
+    """The step of ``variant`` on a fresh ``model_name`` (same seed for every variant);
+    ``zoo``: ``model_name`` is a compatibility-matrix model (`zoo_model`, its own size)."""
     torch.manual_seed(0)
-    model, loss_of, batch = MODELS[model_name](size, device)
+    model, loss_of, batch = zoo_model(model_name, device) if zoo else MODELS[model_name](size, device)
     model.to(device).train()
     kind, _, fmt = variant.partition("-")
     if kind == "fp32":
         return _torch_step(model, loss_of, device, None), batch
     if kind == "torch":
         return _torch_step(model, loss_of, device, fmt), batch
+    if kind == "backend":
+        return _backend_step(model, loss_of, fmt, device), batch
     return _dlspass_step(model, loss_of, fmt, device, None if kind == "dlspass" else "emulate"), batch
 
 
@@ -215,17 +285,56 @@ def step_peak_mb(step: Callable[..., Tensor], batch: Batch, device: str) -> floa
     return (_proc_status_bytes("VmHWM:") - base) / 2**20
 
 
+def step_alloc_peak_mb(step: Callable[..., Tensor], batch: Batch) -> float:
+    """MB one call of ``step`` holds allocated at its peak beyond what was allocated when it
+    began, from the CPU allocator's own events (``torch.profiler`` memory events summed in the
+    order they happened): exact and independent of load and of the C library's heap, so it
+    serves models too small for the resident size (`step_peak_mb`) to see."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(*batch)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    held = peak = 0
+    for e in events:
+        held += e.nbytes()
+        peak = max(peak, held)
+    return peak / 2**20
+
+
+def eager_launches(step: Callable[..., Tensor], batch: Batch) -> list[str]:
+    """The ATen ops one steady call of ``step`` runs outside compiled code, each at its
+    outermost call (``eager_ops``, as tests/test_kernel_launches.py counts them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dlspass.debug.kernel_count import eager_ops
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(*batch)
+    return eager_ops(prof.events())
+
+
 def run_model(model_name: str, variants: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    if args.zoo and model_name in ZOO_NOT_ONE_GRAPH:  # dlspass.compile refuses it by design
+        variants = [v.replace("dlspass-", "backend-") for v in variants]
+    torch._dynamo.reset()  # the previous model's graphs are done with; this model's all stay alive
     rows: dict[str, dict[str, Any]] = {}
     built: dict[str, tuple[Callable[..., Tensor], Batch]] = {}
     for v in variants:
         try:
-            step, batch = build(model_name, v, args.device, args.size)
+            step, batch = build(model_name, v, args.device, args.size, args.zoo)
             _sync(args.device)
             t0 = time.perf_counter()
-            step(*batch)
+            if args.launches:  # the first call compiles: count the kernels of the code it generates
+                k = compiled_launches(step, *batch)
+            else:
+                step(*batch)
             _sync(args.device)
             rows[v] = {"first_s": time.perf_counter() - t0, "samples": []}
+            if args.launches:
+                step(*batch)  # the optimizer state exists from here on: the counted step is steady
+                rows[v].update(compiled=k.launches + k.extern_launches, eager=eager_launches(step, batch))
             built[v] = (step, batch)
         except Exception as e:  # a failing variant is a row of the report, not the end of it
             traceback.print_exc()
@@ -236,6 +345,9 @@ def run_model(model_name: str, variants: list[str], args: argparse.Namespace) ->
             rows[v]["samples"].append(_timed(step, batch, args.steps, args.device))
     for v, (step, batch) in built.items():
         rows[v]["step_ms"] = 1000 * statistics.median(rows[v].pop("samples"))
+        if args.alloc_peak and args.device == "cpu":
+            rows[v]["peak_mb"] = step_alloc_peak_mb(step, batch)  # exact: one call is enough
+            continue
         peaks = [step_peak_mb(step, batch, args.device) for _ in range(3)]
         rows[v]["peak_mb"] = None if None in peaks else statistics.median(peaks)
     return rows
@@ -243,30 +355,56 @@ def run_model(model_name: str, variants: list[str], args: argparse.Namespace) ->
 
 def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace, command: str) -> str:
     dev = torch.cuda.get_device_name() if args.device == "cuda" else (platform.processor() or platform.machine())
+    peak_kind = ("allocated (CPU allocator's events)" if args.alloc_peak and args.device == "cpu"
+                 else "above what was resident")
     lines = [f"# Native 16-bit steps vs torch best practice ({args.device}: {dev})", "",
              f"`{command}`; torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-             f"{args.repeats} interleaved samples of {args.steps} steps, medians; sizes: {args.size}", ""]
+             f"{args.repeats} interleaved samples of {args.steps} steps, medians; sizes: "
+             f"{'the compatibility matrix (tests/models/zoo.py)' if args.zoo else args.size}; "
+             f"step peak: {peak_kind}", ""]
+    launch_head = " | launches (compiled + eager) | launches vs torch" if args.launches else ""
     for model_name, rows in results.items():
         lines += [f"## {model_name}", "",
                   "| variant | ms/step | vs fp32 | vs torch same format | first call (s) | step peak (MB) "
-                  "| peak vs torch same format |",
-                  "|---|---|---|---|---|---|---|"]
+                  f"| peak vs torch same format{launch_head} |",
+                  "|---" * (7 + 2 * args.launches) + "|"]
         base = rows.get("fp32", {}).get("step_ms")
         for v, r in rows.items():
             if "error" in r:
-                lines.append(f"| {v} | failed: {r['error']} | | | | | |")
+                lines.append(f"| {v} | failed: {r['error']} |" + " |" * (5 + 2 * args.launches))
                 continue
             fmt = v.partition("-")[2]
             ref = rows.get(f"torch-{fmt}", {})
             mine = not v.startswith(("torch", "fp32"))
             mem = r.get("peak_mb")
-            cells = [v, f"{r['step_ms']:.1f}", _ratio(r["step_ms"], base),
+            cells = [v, f"{r['step_ms']:.2f}", _ratio(r["step_ms"], base),
                      _ratio(r["step_ms"], ref.get("step_ms")) if mine else "",
-                     f"{r['first_s']:.1f}", "" if mem is None else f"{mem:.0f}",
+                     f"{r['first_s']:.1f}", "" if mem is None else f"{mem:.3f}",
                      _ratio(mem, ref.get("peak_mb")) if mine and mem is not None else ""]
+            if args.launches:
+                cells += [_launch_parts(r), _launch_cmp(r, ref) if mine else ""]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        if args.launches:
+            lines += [f"- {v} eager ops: " + (", ".join(f"{k} x{n}" for k, n in sorted(Counter(r["eager"]).items()))
+                                              or "none")
+                      for v, r in rows.items() if "eager" in r]
+            lines.append("")
     return "\n".join(lines)
+
+
+def _launches(r: dict[str, Any]) -> int:
+    return r["compiled"] + len(r["eager"])
+
+
+def _launch_parts(r: dict[str, Any]) -> str:
+    return f"{r['compiled']} + {len(r['eager'])} = {_launches(r)}"
+
+
+def _launch_cmp(r: dict[str, Any], ref: dict[str, Any]) -> str:
+    if "compiled" not in ref:
+        return ""
+    return "ok" if _launches(r) <= _launches(ref) else "MORE"
 
 
 def _ratio(x: float, base: float | None) -> str:
@@ -277,7 +415,8 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+",
+                        help=f"default: all of {', '.join(MODELS)} (with --zoo: all the matrix's models)")
     parser.add_argument("--formats", nargs="+", default=["bfloat16", "float16"],
                         choices=[*DTYPES, "cbfloat16"],
                         help="cbfloat16 has no torch variant: its dlspass step is emulated")
@@ -290,11 +429,23 @@ def main(argv: list[str] | None = None) -> str:
                        help="GPU sizes for every model")
     parser.add_argument("--emulate", action="store_true", help="also time dlspass's emulated format")
     parser.add_argument("--out", type=Path, help="also write the markdown table here (after each model)")
+    parser.add_argument("--zoo", action="store_true",
+                        help=f"the compatibility matrix's models instead (tests/models/zoo.py: {', '.join(ZOO_MODELS)})")
+    parser.add_argument("--no-fp32", dest="fp32", action="store_false", help="leave out the fp32 variant")
+    parser.add_argument("--launches", action="store_true",
+                        help="count kernel launches per step (compiled + eager; dlspass.debug.kernel_count)")
+    parser.add_argument("--alloc-peak", action="store_true",
+                        help="CPU: the step's peak from the allocator's events (exact; for small models)")
     parser.set_defaults(size="default")
     args = parser.parse_args(argv)
+    if args.models is None:
+        args.models = list(ZOO_MODELS if args.zoo else MODELS)
+    bad = set(args.models) - set(ZOO_MODELS if args.zoo else MODELS)
+    if bad:
+        parser.exit(2, f"bench_native: unknown model(s) {sorted(bad)}{' with --zoo' if args.zoo else ''}\n")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "bench_native: --device cuda but torch sees no CUDA device\n")
-    variants = ["fp32"]
+    variants = ["fp32"] if args.fp32 else []
     for fmt in args.formats:
         if fmt not in DTYPES:
             variants.append(f"dlspass-{fmt}")

@@ -51,12 +51,12 @@ from baselines import run_and_report  # this folder: sys.path[0]
 from bench_native import (
     DTYPES,
     MODELS,
-    _dlspass_step,
+    ZOO_NAMES,
     _timed,
-    _torch_step,
     step_peak_mb,
 )
-from torch import Tensor, nn
+from bench_native import build as native_build
+from torch import Tensor
 
 from dlspass.debug.kernel_count import compiled_launches, eager_ops
 
@@ -84,33 +84,11 @@ def bucket_of(name: str) -> str:
 
 # ---- models --------------------------------------------------------------------------------
 
-_ZOO_NAMES = {"gpt": "mhagpt", "gpt2": "gpt2", "resnet18": "resnet"}
-
-
-def _zoo_model(name: str, device: str) -> tuple[nn.Module, Callable[..., Tensor], tuple[Tensor, ...]]:
-    """A model of the compatibility matrix (``tests/models/zoo.py``) in bench_native's shape."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "models"))
-    import zoo
-
-    case = zoo.MODELS[_ZOO_NAMES[name]]()
-
-    def loss_of(m: nn.Module, *batch: Tensor) -> Tensor:
-        return case.loss_fn(m, batch)
-
-    return case.model, loss_of, tuple(t.to(device) for t in case.batch)
-
-
 def build(model_name: str, variant: str, device: str, size: str, zoo: bool = False
           ) -> tuple[Callable[..., Tensor], tuple[Tensor, ...]]:
-    """``variant`` (``torch-<fmt>`` or ``dlspass-<fmt>``) of a fresh ``model_name``."""
-    torch.manual_seed(0)
-    model, loss_of, batch = (_zoo_model(model_name, device) if zoo
-                             else MODELS[model_name](size, device))
-    model.to(device).train()
-    kind, _, fmt = variant.partition("-")
-    step = (_torch_step(model, loss_of, device, fmt) if kind == "torch"
-            else _dlspass_step(model, loss_of, fmt, device, None))
-    return step, batch
+    """``variant`` (``torch-<fmt>`` or ``dlspass-<fmt>``) of a fresh ``model_name`` (``zoo``: the
+    compatibility matrix's model of that name, ``bench_native.ZOO_NAMES``)."""
+    return native_build(ZOO_NAMES[model_name] if zoo else model_name, variant, device, size, zoo)
 
 
 # ---- measurement ---------------------------------------------------------------------------
