@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -16,17 +16,22 @@ R = TypeVar("R")
 def torch_best_practice_step(model: nn.Module, loss_of: Callable[..., Tensor],
                              optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
                              device: str = "cpu", autocast_dtype: torch.dtype | None = None,
-                             scale: bool = True, **opt_kwargs: object) -> Callable[..., Tensor]:
+                             scale: bool = True, backend: str = "inductor",
+                             backend_options: dict[str, Any] | None = None, scaler: Any = None,
+                             **opt_kwargs: object) -> Callable[..., Tensor]:
     """``step(*batch)``: ``torch.compile(model)`` (inductor), a fused ``optimizer`` and
     ``torch.amp.GradScaler`` (scale, unscale, inf check and skip, run eagerly), float32.
 
     ``loss_of(compiled_model, *batch)`` is the loss the backward starts from; the step returns
     it detached. ``autocast_dtype`` runs the forward under ``torch.autocast`` (torch's
     mixed-precision recipe); ``scale=False`` drops the GradScaler (bfloat16 needs none).
+    ``backend``, ``backend_options`` and ``scaler`` (an object with GradScaler's ``scale``,
+    ``step`` and ``update``, in place of torch's) build the same step around another compiler
+    backend, e.g. ``backend="dlspass"`` with ``dlspass.GradScaler``.
     """
-    cmodel = torch.compile(model)
+    cmodel = torch.compile(model, backend=backend, options=backend_options)
     opt = optimizer(model.parameters(), fused=True, **opt_kwargs)
-    scaler = torch.amp.GradScaler(device, enabled=scale)
+    scaler = scaler if scaler is not None else torch.amp.GradScaler(device, enabled=scale)
 
     def step(*batch: Tensor) -> Tensor:
         with torch.autocast(device, dtype=autocast_dtype or torch.float32,

@@ -198,23 +198,10 @@ def _backend_step(model: nn.Module, loss_of: Callable[..., Tensor], fmt: str,
     ``torch.compile(model, backend="dlspass")`` in the native format, fused AdamW and, for
     float16, the eager ``dlspass.GradScaler``."""
     cfg = dlspass.DLSConfig(fp16_type=fmt)
-    cmodel = torch.compile(model, backend="dlspass", options={"config": cfg, "precision_mode": "native"})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    scaler = dlspass.GradScaler(config=cfg, device=device) if fmt == "float16" else None
-
-    def step(*batch: Tensor) -> Tensor:
-        loss = loss_of(cmodel, *batch)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return torch_best_practice_step(
+        model, loss_of, lr=1e-4, device=device, scale=False, backend="dlspass",
+        backend_options={"config": cfg, "precision_mode": "native"},
+        scaler=dlspass.GradScaler(config=cfg, device=device) if fmt == "float16" else None)
 
 
 def build(model_name: str, variant: str, device: str, size: str,
@@ -239,13 +226,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(step: Callable[..., Tensor], batch: Batch, steps: int, device: str) -> float:
+def _timed(step: Callable[..., Tensor], batch: Batch, steps: int, device: str,
+           clock: str = "wall") -> float:
+    """Seconds per step over ``steps`` calls. ``clock="cpu"`` (CPU device only): the process's
+    CPU time instead of the wall clock. With one intra-op thread the step's work is this
+    process's CPU time, which other jobs on a shared machine do not add to (they add waits to
+    the wall clock, in bursts that a few-millisecond step cannot average out)."""
+    now = time.process_time if clock == "cpu" and device == "cpu" else time.perf_counter
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = now()
     for _ in range(steps):
         step(*batch)
     _sync(device)
-    return (time.perf_counter() - t0) / steps
+    return (now() - t0) / steps
 
 
 # ---- memory: one step's peak above what was resident when it began -----------------------------
@@ -342,7 +335,7 @@ def run_model(model_name: str, variants: list[str], args: argparse.Namespace) ->
             rows[v] = {"error": f"{type(e).__name__}: {first}"}
     for _ in range(args.repeats):  # interleaved: every variant sees the same machine load
         for v, (step, batch) in built.items():
-            rows[v]["samples"].append(_timed(step, batch, args.steps, args.device))
+            rows[v]["samples"].append(_timed(step, batch, args.steps, args.device, args.clock))
     for v, (step, batch) in built.items():
         rows[v]["step_ms"] = 1000 * statistics.median(rows[v].pop("samples"))
         if args.alloc_peak and args.device == "cpu":
@@ -359,7 +352,8 @@ def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespa
                  else "above what was resident")
     lines = [f"# Native 16-bit steps vs torch best practice ({args.device}: {dev})", "",
              f"`{command}`; torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-             f"{args.repeats} interleaved samples of {args.steps} steps, medians; sizes: "
+             f"{args.repeats} interleaved samples of {args.steps} steps, medians of "
+             f"{'process CPU time' if args.clock == 'cpu' and args.device == 'cpu' else 'wall time'}; sizes: "
              f"{'the compatibility matrix (tests/models/zoo.py)' if args.zoo else args.size}; "
              f"step peak: {peak_kind}", ""]
     launch_head = " | launches (compiled + eager) | launches vs torch" if args.launches else ""
@@ -431,6 +425,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", type=Path, help="also write the markdown table here (after each model)")
     parser.add_argument("--zoo", action="store_true",
                         help=f"the compatibility matrix's models instead (tests/models/zoo.py: {', '.join(ZOO_MODELS)})")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: time steps by the process's CPU time (CPU device; see _timed)")
     parser.add_argument("--no-fp32", dest="fp32", action="store_false", help="leave out the fp32 variant")
     parser.add_argument("--launches", action="store_true",
                         help="count kernel launches per step (compiled + eager; dlspass.debug.kernel_count)")
