@@ -135,15 +135,17 @@ def test_captured_compiled_step_peaks_no_higher_than_torch_autocast(torch_peak: 
     ours = _step_peak_bytes(step)
     assert 0 < ours <= torch_peak, (ours, torch_peak)
     # the updates landed in the parameters' own storage, and they are the captured step's:
-    # the same three steps through the graph run eagerly (aten kernels instead of inductor's,
-    # so not bit for bit: within the matrix's bfloat16-native bound on the update,
-    # tests/models/harness.py NATIVE_TOLERANCE; an update lost or applied twice is 1.0 away)
+    # the same three steps through the same graph run eagerly. Not bit for bit: inductor fuses
+    # the pointwise ops around the (shared, ATen) matmuls and rounds their bfloat16 values in
+    # other places than the eager kernels, a few bfloat16 roundings (2**-8 relative each) of
+    # the update (measured: 0.0055, about 1.4 of them); the bound is 8 of them. An update lost
+    # or applied twice is 1.0 away.
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == params
     ref, ref_step = _captured_step(compile=False)
     for _ in range(3):
         ref_step(*_batch())
     dist = _update_distance(model, ref, _model())
-    assert dist < 0.25, dist
+    assert dist < 8 * 2**-8, dist
 
 
 def test_captured_compiled_step_in_place_keeps_the_scalers_bookkeeping() -> None:
