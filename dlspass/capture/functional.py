@@ -416,7 +416,9 @@ def capture_step(
     overrides (``fp16_type``, ``mixed_precision``, ``max_gradient_norm``, ``precision_mode``;
     None: not given) merge into ``config`` by ``DLSConfig.with_overrides``, as in every entry
     point (without a config, naming an ``fp16_type`` asks for lowering to it). The returned
-    step runs eagerly by default and through inductor with ``compile=True``. ``graph_passes``
+    step runs eagerly by default and through inductor with ``compile=True`` (the compiled graph
+    writes parameters, optimizer state and scaler state into their own storage, as
+    ``dlspass.compile``'s step does; ``step.graph_module`` keeps the functional outputs). ``graph_passes``
     rewrite the role-tagged step graph before DLS, or after it (``pipeline_phase``; see
     `CapturedStep`). With the config's ``telemetry`` the step counts, per scaled gradient and
     lowered op output, the amax and the values flushed, subnormal and overflowing in
