@@ -378,7 +378,7 @@ def _inductor(gm: fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
     # the updates land in the inputs' storage, inside the update kernels, as in dlspass.compile's
     # step: a functional graph allocates every new parameter and state tensor while the old
     # ones are alive and the runner copies them back (above torch's peak). Only this compiled
-    # copy: `graph_module` keeps the functional outputs that inspect and a .pt2 read.
+    # copy: `graph_module` keeps the functional outputs that inspect, localize and ONNX read.
     WriteUpdatesInPlacePass()(gm)
     # the CPU facts in the cache key (dlspass.cache_facts)
     # and the whole-step settings dlspass.compile's step gets (weight gradients where the

@@ -47,10 +47,11 @@ place of autocast. ``--launches`` adds kernel launches per step (the kernels in 
 inductor generates at the first call plus the ATen ops a steady step runs outside compiled
 code, ``dlspass.debug.kernel_count``, as tests/test_kernel_launches.py counts them);
 ``--alloc-peak`` reads the CPU step's peak from the allocator's own events (exact, for models
-too small for the resident size); ``--no-fp32`` leaves the fp32 variant out. The matrix's
-bfloat16 rows of issue 32 (tools/bench/RESULTS.md):
+too small for the resident size); ``--clock cpu`` times the steps by the process's CPU time
+(`_timed`: on a shared machine, for steps of a few milliseconds); ``--no-fp32`` leaves the fp32
+variant out. The matrix's bfloat16 rows of issue 32 (tools/bench/RESULTS.md):
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_native.py --zoo --formats bfloat16 --no-fp32 --launches --alloc-peak --repeats 15 --steps 5 --out tools/bench/results/native_zoo_bf16.md
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_native.py --zoo --formats bfloat16 --no-fp32 --launches --alloc-peak --clock cpu --repeats 15 --steps 10 --out tools/bench/results/native_zoo_bf16.md
 """
 
 from __future__ import annotations
