@@ -33,10 +33,12 @@ telemetry (``step.telemetry.read()``; dlspass.capture.telemetry).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +50,7 @@ from dlspass.capture.dynamo_backend import BACKEND_COMPILERS
 from dlspass.capture.dynamo_source import find_seed, tag_aot_graph, tag_backward_grads
 from dlspass.capture.live_optimizer import SUPPORTED_NAMES, LiveOptimizer, functionalize_live
 from dlspass.capture.runner import StepRunner
+from dlspass.capture.saved_step import SavedStepMismatchError, load_step, save_step
 from dlspass.capture.step_pipeline import StepCaptureError, param_targets, refuse_dtensor_params
 from dlspass.capture.step_plan import StepPlan, resolve_plan
 from dlspass.config import ConfigError, DLSConfig, FP16Type, PrecisionMode
@@ -109,6 +112,7 @@ class CompiledStep(StepRunner):
         backend = functools.partial(step_backend, plan=plan, keep=self._graphs.append,
                                     on_cache_hit=self._graphs.append)
         self._compiled = torch.compile(_own_frame(fn), backend=backend, fullgraph=True)
+        self._aot: Any = None  # the step saved or loaded ahead of time (`save`, `load`), or None
         functools.update_wrapper(self, fn)
         self.__signature__ = inspect.signature(fn)
 
@@ -137,7 +141,11 @@ class CompiledStep(StepRunner):
                     dist.broadcast(p.data, src=src, group=group)
         self._broadcast_pending = False
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    @contextlib.contextmanager
+    def live(self) -> Iterator[None]:
+        """While the step's frame is traced or run: the optimizer's live state refreshed and
+        ``optimizer.step`` / ``optimizer.zero_grad`` replaced by the functional update
+        (`LiveOptimizer`), with dynamo's settings for a whole step; restored afterwards."""
         opt = self.optimizer
         if self.num_calls == 0:
             refuse_dtensor_params(
@@ -145,21 +153,98 @@ class CompiledStep(StepRunner):
         if self._broadcast_pending:
             self._broadcast()
         self._ctx.refresh()
-        self.num_calls += 1
         had = {k: opt.__dict__[k] for k in ("step", "zero_grad") if k in opt.__dict__}
         opt.step = self._ctx.step
         opt.zero_grad = self._ctx.zero_grad
-        # found_inf, stepped() and the scale log follow every step that scales, as after update()
-        skipped = self.scaler.state.num_skipped_steps.clone() if self._scales() else None
         try:
             with torch._dynamo.config.patch(trace_autograd_ops=True,
                                             ignore_logging_functions=_ignored_logging_functions()):
-                out = self._compiled(*args, **kwargs)
-            # the step was this optimizer's step: LR schedulers check the flag to warn about
-            # lr_scheduler.step() before optimizer.step()
-            opt._opt_called = True  # type: ignore[attr-defined]
-            self._record(skipped)
-            return out
+                yield
+        finally:
+            for k in ("step", "zero_grad"):
+                if k in had:
+                    setattr(opt, k, had[k])
+                else:
+                    opt.__dict__.pop(k, None)
+
+    def live_optimizer(self) -> LiveOptimizer:
+        """The `LiveOptimizer` the traced step calls, refreshed to the optimizer's structure."""
+        self._ctx.refresh()
+        return self._ctx
+
+    def aot_compile(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """torch's ahead-of-time compile of the step's frame for ``args``/``kwargs`` (inside
+        `live`); see ``dlspass.capture.saved_step``."""
+        return self._translate(lambda: self._compiled.aot_compile((tuple(args), dict(kwargs))))
+
+    def save(self, path: str | Path, *args: Any, **kwargs: Any) -> None:
+        """Compile the step ahead of time for the example inputs ``args``/``kwargs`` and save it
+        to ``path`` (a ``.dlstep`` file); the step then runs what was saved. Nothing is run.
+
+        A process that builds the same step (same function, model and optimizer classes and
+        shapes, scaler config, dlspass, torch) loads it with `load` and skips dynamo,
+        AOTAutograd, the dlspass passes and inductor; loading under another plan is refused
+        (``dlspass.capture.saved_step``). CPU steps compiled with inductor only, without
+        telemetry, fault injection or a process group (`StepNotSaveableError` otherwise).
+
+        Example (the step saved in one process, loaded in another)::
+
+            >>> import torch, dlspass
+            >>> from dlspass.models import MLP, mse_train_step
+            >>> def make():
+            ...     torch.manual_seed(0)
+            ...     model = MLP(d_in=8, d_hidden=16, d_out=8)
+            ...     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            ...     return dlspass.compile(mse_train_step(model, opt), optimizer=opt,
+            ...                            config=dlspass.DLSConfig(fp16_type="float16"))
+            >>> x, y = torch.randn(4, 8), torch.randn(4, 8)
+            >>> make().save("step.dlstep", x, y)   # process 1: compiles and saves
+            >>> step = make().load("step.dlstep")  # process 2: nothing compiles
+            >>> loss = step(x, y)
+        """
+        self._aot = save_step(self, path, args, kwargs)
+
+    def load(self, path: str | Path) -> CompiledStep:
+        """Run the step saved at ``path`` by `save` instead of compiling it; returns the step.
+
+        The saved step runs on this step's own function, model, optimizer and scaler; a file
+        saved under another plan (DLS config, graph passes, optimizer type or static options,
+        parameters, a changed source, another dlspass, torch or Python) is refused with one
+        line (``SavedStepMismatchError``), never run. Load only files you trust (the file
+        holds a pickle). Example: see `save`.
+        """
+        self._aot = load_step(self, path)
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        opt = self.optimizer
+        with self.live():
+            self.num_calls += 1
+            # found_inf, stepped() and the scale log follow every step that scales, as after update()
+            skipped = self.scaler.state.num_skipped_steps.clone() if self._scales() else None
+            run = self._compiled if self._aot is None else self._run_saved
+            out = self._translate(lambda: run(*args, **kwargs))
+        # the step was this optimizer's step: LR schedulers check the flag to warn about
+        # lr_scheduler.step() before optimizer.step()
+        opt._opt_called = True  # type: ignore[attr-defined]
+        self._record(skipped)
+        return out
+
+    def _run_saved(self, *args: Any, **kwargs: Any) -> Any:
+        """The saved step; its guards (dynamo's, rebuilt at load) failing is a refusal."""
+        aot = self._aot
+        if not aot.guard_check(*args, **kwargs):
+            reason = aot._artifacts.guard_manager.check_verbose(aot.prepare_f_locals(*args, **kwargs))
+            raise SavedStepMismatchError(
+                "dlspass: the saved step does not fit this call (its guards failed: "
+                f"{' '.join(str(p) for p in reason.verbose_code_parts)[:300]}); "
+                "compile and save it again for these inputs and this optimizer")
+        return aot.fn(*args, **kwargs)
+
+    def _translate(self, run: Callable[[], Any]) -> Any:
+        """``run()``, with dynamo's errors turned into dlspass's."""
+        try:
+            return run()
         except torch._dynamo.exc.BackendCompilerFailed as e:
             # dynamo wraps whatever the AOT compiler raised; a dlspass error (CompileError,
             # a pass's PassContractError, a graph pass's FaultError) is the one to see
@@ -174,12 +259,6 @@ class CompiledStep(StepRunner):
                 "of the step (e.g. Python control flow on a tensor's value, a call dynamo cannot "
                 "trace), call loss.backward() once and return loss.detach()"
             ) from e
-        finally:
-            for k in ("step", "zero_grad"):
-                if k in had:
-                    setattr(opt, k, had[k])
-                else:
-                    opt.__dict__.pop(k, None)
 
 
 def _own_frame(fn: Callable) -> Callable:

@@ -97,6 +97,8 @@ class LiveOptimizer:
         self._created: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (param, zero buffer)
         self._signature: tuple | None = None
         self.params: list[list[Tensor]] = []
+        self.param_names: list[list[str]] = []  # by position in self.params (set by _build)
+        self.param_flags: list[list[Tensor | None]] = []
         self.state: Any = None
         self._cuda = False  # set by _build: the parameters live on CUDA
 
@@ -143,6 +145,11 @@ class LiveOptimizer:
         # the traced code reads these copies, never param_groups itself: dynamo guards every
         # value of a dict it iterates, so reading a group would bake its values in as constants
         self.params = [list(g["params"]) for g in opt.param_groups]
+        # the traced code reads names and SGD's flags by position, never by ``id(param)``: a
+        # dict keyed by ids is guarded on those ids, which a saved step
+        # (``dlspass.capture.saved_step``) loaded in another process never matches
+        self.param_names = [[self.names[id(p)] for p in ps] for ps in self.params]
+        self.param_flags = [[self.flags.get(id(p)) for p in ps] for ps in self.params]
         self._cuda = device is not None and device.type == "cuda"
         if self._cuda:
             # inductor's cudagraph trees copy every graph input not marked static into the
@@ -204,13 +211,12 @@ class LiveOptimizer:
             for gi, (params, plan) in enumerate(zip(self.params, self.plans, strict=True)):
                 hyper = {k: mark(t, roles.HYPER, f"group{gi}.{k}").reshape(())
                          for k, t in self.hyper[gi].items()}
-                for p in params:
+                for p, name, flag in zip(params, self.param_names[gi], self.param_flags[gi], strict=True):
                     if p.grad is None:
                         continue
-                    name = self.names[id(p)]
                     g = mark(p.grad, roles.GRAD, name)
                     old = mark(p, roles.PARAM, name)
-                    live = self._state_of(p, plan)
+                    live = self._state_of(p, plan, flag)
                     st = {k: mark(v, roles.OPT_STATE, f"{name}.{k}") for k, v in live.items()}
                     new_p, new_st = update_one(self.fopt.kind, plan, old, g.to(p.dtype), st, hyper)
                     p.copy_(mark(new_p, roles.PARAM_UPDATE, name))
@@ -222,11 +228,11 @@ class LiveOptimizer:
                 # the state passes through; UpdateScalePass replaces these outputs
                 t.copy_(mark(mark(t, roles.SCALER_STATE, field), roles.SCALER_STATE_UPDATE, field))
 
-    def _state_of(self, p: Tensor, plan: Any) -> dict[str, Tensor]:
+    def _state_of(self, p: Tensor, plan: Any, flag: Tensor | None) -> dict[str, Tensor]:
         """The live state tensors ``update_one`` reads for ``p``, in torch's ``optimizer.state``
-        except SGD's ``momentum_initialized`` flag, which torch does not keep."""
+        except SGD's ``momentum_initialized`` flag (``flag``), which torch does not keep."""
         st = self.optimizer.state[p]
-        return {k: (self.flags[id(p)] if k == "momentum_initialized" else st[k])
+        return {k: (flag if k == "momentum_initialized" else st[k])
                 for k in self.fopt.state_keys(plan)}
 
     def zero_grad(self, set_to_none: bool = True) -> None:

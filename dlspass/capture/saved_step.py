@@ -1,0 +1,239 @@
+"""Saving a ``dlspass.compile`` step ahead of time and loading it in another process.
+
+torch 2.13 compiles a whole frame ahead of time (``torch.compile(f, fullgraph=True)
+.aot_compile(((args), kwargs))``) into a value it can serialize: dynamo's rewritten bytecode,
+the guards (rebuilt from a pickle of the frame's scope) and the compiled graph (AOTAutograd's
+bundled cache entry with inductor's code). A process that loads it runs none of dynamo,
+AOTAutograd, the dlspass passes or inductor. `save_step` and `load_step` do that for a
+`CompiledStep` (``CompiledStep.save`` / ``CompiledStep.load`` call them); three things make a
+step saveable:
+
+- the frame's closure (the user's step function) is passed as torch's external data, so the
+  loaded step runs on the new process's model, optimizer and scaler, never on pickled copies;
+- the optimizer is pickled into the guard state with its whole ``__dict__``, the patched
+  ``step`` included (torch.optim's own ``__getstate__`` keeps three keys and its
+  ``__setstate__`` reads tensors the guard pickler stubbed out), so the guards dynamo placed
+  on the traced ``LiveOptimizer`` rebuild and are checked at every call of the loaded step
+  (`_pickled_for_guards`);
+- the traced ``LiveOptimizer`` reads names and flags by position, not by ``id(param)``.
+
+Safety: the file starts with a header naming everything the compiled graph depends on that
+dynamo's guards cannot see (the DLS config and graph passes, dlspass's source, the torch and
+Python versions, the optimizer's type and static options, the parameters, the checksums of
+every source the trace read). A load whose step differs in any of them is refused with one
+line (`SavedStepMismatchError`), before anything is unpickled. What torch cannot serialize
+is refused at save (`StepNotSaveableError`). The rest of the file is a pickle: load only
+files you trust, as with ``torch.load(weights_only=False)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import json
+import pickle
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._dynamo.aot_compile import AOTCompiledFunction
+from torch._dynamo.package import _hash_sourcelines
+
+from dlspass.cache_facts import code_fingerprint
+from dlspass.errors import InputNotImplementedError, InputValueError
+from dlspass.files.atomic_write import write_atomic
+from dlspass.files.paths import check_input_file
+
+__all__ = ["SavedStepMismatchError", "StepNotSaveableError", "load_step", "save_step"]
+
+MAGIC = b"dlspass-saved-step 1\n"
+"""The first line of a saved step (the format's version is part of it)."""
+SUFFIX = ".dlstep"
+"""The file suffix `load_step` takes (``check_input_file``)."""
+_FN_KEY = "dlspass_step_fn"
+"""The external-data key of the frame's closure: the user's step function."""
+
+
+class SavedStepMismatchError(InputValueError):
+    """A saved step was made for another plan than the step that loads it (another config,
+    optimizer, parameters, source, torch or dlspass), or is not a saved step at all."""
+
+
+class StepNotSaveableError(InputNotImplementedError):
+    """The step cannot be saved ahead of time (a feature torch's serialization cannot carry)."""
+
+
+def save_step(step: Any, path: str | Path, args: tuple, kwargs: dict[str, Any]) -> AOTCompiledFunction:
+    """Compile ``step`` (a `CompiledStep`) ahead of time for ``args``/``kwargs`` and write it to
+    ``path`` (suffix ``.dlstep``); returns torch's compiled function, which the step then runs.
+    Nothing is run: parameters and optimizer state are unchanged."""
+    path = Path(path)
+    if path.suffix != SUFFIX:
+        raise InputValueError(f"{path}: a saved step's file name must end in {SUFFIX}")
+    refuse_unsaveable(step)
+    with step.live(), _pickled_for_guards(step.optimizer, step.live_optimizer()):
+        try:
+            compiled = step.aot_compile(args, kwargs)
+            data = AOTCompiledFunction.serialize(compiled, {_FN_KEY: step.fn}).serialized_data
+        except (torch._dynamo.exc.PackageError, RuntimeError, TypeError, AttributeError,
+                pickle.PicklingError) as e:
+            if isinstance(e, torch._dynamo.exc.BackendCompilerFailed):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise StepNotSaveableError(f"dlspass: the step cannot be saved ahead of time: {first}") from e
+    header = {**fingerprint(step), "sources": _sources(compiled)}
+    text = json.dumps(header, sort_keys=True).encode()
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + text + b"\n" + data)
+
+    write_atomic(path, write)
+    return compiled
+
+
+def load_step(step: Any, path: str | Path) -> AOTCompiledFunction:
+    """The compiled function saved at ``path`` by `save_step`, bound to ``step``'s own function
+    (and so its model, optimizer and scaler); `SavedStepMismatchError` when it was saved under
+    another plan, or when a source it traced has changed since."""
+    p = check_input_file(path, (SUFFIX,))
+    blob = p.read_bytes()
+    if not blob.startswith(MAGIC):
+        raise SavedStepMismatchError(f"{p}: not a step saved by this dlspass (no {MAGIC.strip().decode()!r} header)")
+    line, _, data = blob[len(MAGIC):].partition(b"\n")
+    try:
+        header = json.loads(line)
+    except ValueError as e:
+        raise SavedStepMismatchError(f"{p}: the saved step's header is not JSON ({e})") from None
+    refuse_unsaveable(step)
+    saved_sources = header.pop("sources", None)
+    here = fingerprint(step)
+    for key in sorted(set(here) | set(header)):
+        saved, now = header.get(key), here.get(key)
+        if saved != now:
+            what = _what(key)
+            if isinstance(saved, dict) and isinstance(now, dict):  # name the config's field
+                field = next(k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k))
+                what, saved, now = f"{what} field {field}", saved.get(field), now.get(field)
+            raise SavedStepMismatchError(
+                f"{p}: saved for another step ({what}: saved {_short(saved)}, this step "
+                f"{_short(now)}); compile and save it again")
+    changed = _changed_source(saved_sources)
+    if changed is not None:
+        raise SavedStepMismatchError(f"{p}: the source the saved step traced has changed since "
+                                     f"({changed}); compile and save it again")
+    with step.live():
+        compiled = AOTCompiledFunction.deserialize(data, None, {_FN_KEY: step.fn})
+    return compiled
+
+
+def refuse_unsaveable(step: Any) -> None:
+    """`StepNotSaveableError` for what a saved step could not reproduce or torch cannot save."""
+    plan = step.plan
+    reason = None
+    if plan.backend_compiler != "inductor":
+        reason = (f"backend_compiler={plan.backend_compiler!r}: torch serializes inductor's "
+                  "compiled code only; compile with backend_compiler='inductor'")
+    elif plan.data_parallel is not None:
+        reason = "a process group is not a value another process can load"
+    elif plan.inputs():
+        reason = (f"extra inputs ({', '.join(sorted(plan.inputs()))}: telemetry or fault "
+                  "injection) are fed around the compiled graph, which a loaded step would skip")
+    elif plan.cache_key() is None:
+        reason = "a graph pass has no uuid() naming what it does"
+    elif any(p.device.type != "cpu" for g in step.optimizer.param_groups for p in g["params"]):
+        reason = ("only CPU steps: on CUDA the step's CUDA-graph settings are decided from the "
+                  "rewritten graph, which a loaded step never sees")
+    if reason is not None:
+        raise StepNotSaveableError(f"dlspass: the step cannot be saved ahead of time: {reason}")
+
+
+def fingerprint(step: Any) -> dict[str, Any]:
+    """What the saved graph depends on beyond dynamo's guards, as plain JSON values."""
+    live = step.live_optimizer()
+    opt = step.optimizer
+    params = [[name, list(p.shape), str(p.dtype), str(p.device)]
+              for ps, names in zip(live.params, live.param_names, strict=True)
+              for p, name in zip(ps, names, strict=True)]
+    config = step.plan.config
+    return {
+        "config": json.loads(json.dumps(dataclasses.asdict(config), sort_keys=True, default=repr)),
+        "plan": step.plan.cache_key(),
+        "dlspass": code_fingerprint(),
+        "torch": torch.__version__,
+        "python": ".".join(map(str, sys.version_info[:3])),
+        "optimizer": f"{type(opt).__module__}.{type(opt).__qualname__}",
+        "optimizer_options": repr(live.fopt.static_signature()),
+        "params": params,
+        "scaler": step.scaler is not None,
+        "step_fn": getattr(step.fn, "__qualname__", type(step.fn).__qualname__),
+    }
+
+
+def _what(key: str) -> str:
+    return {"config": "DLS config", "plan": "DLS config or graph passes", "dlspass": "dlspass source",
+            "torch": "torch version", "python": "Python version", "optimizer": "optimizer type",
+            "optimizer_options": "optimizer static options", "params": "parameters",
+            "scaler": "loss scaler", "step_fn": "step function"}.get(key, key)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _sources(compiled: AOTCompiledFunction) -> list[list[Any]]:
+    """``[module, first line, last line, checksum]`` of every source dynamo traced."""
+    return sorted([s.module, s.firstlineno, s.lastlineno, s.checksum]
+                  for s in compiled.source_info().inlined_sources)
+
+
+def _changed_source(sources: list[list[Any]] | None) -> str | None:
+    """The first traced source whose lines no longer hash as they did at save, or None."""
+    if not isinstance(sources, list):
+        return "no source list in the header"
+    for module_name, first, last, checksum in sources:
+        try:
+            module = importlib.import_module(module_name)
+            now = _hash_sourcelines(module, first, last)
+        except (ImportError, OSError, TypeError) as e:
+            return f"{module_name}: {e}"
+        if now != checksum:
+            return f"{module_name}, lines {first}-{last}"
+    return None
+
+
+@contextlib.contextmanager
+def _pickled_for_guards(optimizer: torch.optim.Optimizer, live: Any) -> Iterator[None]:
+    """While saving, how the guard state pickles the optimizer and its ``LiveOptimizer``.
+
+    The optimizer with its whole ``__dict__`` (the patched ``step`` included; torch.optim's
+    ``__getstate__`` keeps three keys); the ``LiveOptimizer`` without the scaler, the model and
+    the created buffers, which the traced step never reads (a scaler's SummaryWriter does not
+    pickle). Each is made empty first and filled after, as pickle does for plain objects, so
+    the reference cycle between the two resolves to one object each.
+    """
+    dropped = {"scaler": None, "model": None, "_created": {}}
+    patched = [(optimizer, {k: v for k, v in vars(optimizer).items() if k != "__reduce_ex__"}),
+               (live, {**{k: v for k, v in vars(live).items() if k != "__reduce_ex__"}, **dropped})]
+    for obj, state in patched:
+        obj.__reduce_ex__ = functools.partial(_reduce, type(obj), state)  # this instance only
+    try:
+        yield
+    finally:
+        for obj, _ in patched:
+            del obj.__reduce_ex__
+
+
+def _reduce(cls: type, state: dict[str, Any], protocol: int) -> tuple:
+    return (object.__new__, (cls,), state, None, None, _set_dict)
+
+
+def _set_dict(obj: object, state: dict[str, Any]) -> None:
+    """Restore an object's ``__dict__`` without its class's ``__setstate__`` (torch.optim's reads
+    the state's tensors, which the guard state holds as stubs)."""
+    obj.__dict__.update(state)
