@@ -197,6 +197,7 @@ def test_a_file_that_is_not_a_saved_step_is_refused(tmp_path):
 @pytest.mark.parametrize(("make", "reason"), [
     (lambda: make_step(backend_compiler="eager"), "backend_compiler='eager'"),
     (lambda: _with_telemetry(), "extra inputs"),
+    (lambda: _reading_globals(), "reads Adam 'GLOBAL_OPT' from its module's globals"),
 ])
 def test_what_cannot_be_saved_is_refused_before_compiling(tmp_path, make, reason):
     step = make()
@@ -211,6 +212,20 @@ def _with_telemetry() -> CompiledStep:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     return dlspass.compile(lambda x, y, f: None, optimizer=opt,
                            config=dlspass.DLSConfig(fp16_type="float16", telemetry=True))
+
+
+GLOBAL_OPT: torch.optim.Optimizer | None = None
+
+
+def _reading_globals() -> CompiledStep:
+    global GLOBAL_OPT
+    GLOBAL_OPT = torch.optim.Adam(MLP(d_in=32, d_hidden=64, d_out=32).parameters())
+
+    def train_step(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> None:
+        GLOBAL_OPT.step()
+
+    return dlspass.compile(train_step, optimizer=GLOBAL_OPT,
+                           config=dlspass.DLSConfig(fp16_type="float16"))
 
 
 if __name__ == "__main__":

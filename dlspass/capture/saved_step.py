@@ -148,8 +148,23 @@ def refuse_unsaveable(step: Any) -> None:
     elif any(p.device.type != "cpu" for g in step.optimizer.param_groups for p in g["params"]):
         reason = ("only CPU steps: on CUDA the step's CUDA-graph settings are decided from the "
                   "rewritten graph, which a loaded step never sees")
+    else:
+        reason = _global_state(step.fn)
     if reason is not None:
         raise StepNotSaveableError(f"dlspass: the step cannot be saved ahead of time: {reason}")
+
+
+def _global_state(fn: Any) -> str | None:
+    """Why ``fn`` cannot be saved when it reads a module or optimizer from its module's globals:
+    torch's ``aot_compile`` drops every guard on a global, so nothing would check them at load."""
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    for name in getattr(code, "co_names", ()):
+        value = scope.get(name)
+        if isinstance(value, torch.nn.Module | torch.optim.Optimizer):
+            return (f"the step function reads {type(value).__name__} {name!r} from its module's "
+                    "globals, which a saved step's guards do not cover; pass it in by closure "
+                    "(a function that returns the step) instead")
+    return None
 
 
 def fingerprint(step: Any) -> dict[str, Any]:

@@ -1,13 +1,17 @@
 """Where the first call of a compiled training step spends its time.
 
 Usage: ``.venv/bin/python tools/bench/compile_breakdown.py [--model tinygpt|demo|gpt2]
-[--configs dls,plain,torch,cb16] [--warm] [--json]``; ``--model demo`` builds the steps
+[--configs dls,plain,torch,cb16] [--warm] [--saved] [--json]``; ``--model demo`` builds the steps
 ``dlspass demo`` compiles (its model, Adam and float16; `_build_demo`, which also knows ``fp32``).
 
 Each configuration compiles in its own child process with a fresh ``TORCHINDUCTOR_CACHE_DIR``
 (cold: nothing cached), so every row pays import-free, cache-free compile time; ``--warm`` runs
 each configuration a second time on the cache the first run left (a second process of the same
-program). Children run in turn, never at once, so they share the machine's load alike.
+program). ``--saved`` adds, for each dlspass configuration, a process that compiles the step
+ahead of time and saves it (``CompiledStep.save``, row ``aot save``) and one with another
+fresh, empty cache folder that loads it (``CompiledStep.load``, row ``aot load``): their first
+call includes the save or the load. Children run in turn, never at once, so they share the
+machine's load alike.
 
 Timers are torch's own (``torch._dynamo.utils.compile_times()``; they are inclusive, so a
 row's parts nest as the column names say) plus the dlspass passes (the whole step pipeline,
@@ -141,7 +145,7 @@ def _time_dlspass_passes() -> dict[str, float]:
     return spent
 
 
-def child(model_name: str, config: str) -> dict:
+def child(model_name: str, config: str, saved: str = "") -> dict:
     t_import = time.perf_counter()
     import torch
     from torch._dynamo.utils import compile_times, counters
@@ -154,7 +158,16 @@ def child(model_name: str, config: str) -> dict:
     spent = _time_dlspass_passes()
     step, data = _build(model_name, config)
     t0 = time.perf_counter()
-    _, codes = run_and_get_code(step, *data)
+    if saved:  # "save:PATH" or "load:PATH": the save or the load is part of the first call
+        mode, path = saved.split(":", 1)
+        if mode == "save":
+            step.save(path, *data)
+        else:
+            step.load(path)
+        step(*data)
+        codes: list[str] = []  # nothing compiles at the call: no code to count kernels in
+    else:
+        _, codes = run_and_get_code(step, *data)
     first = time.perf_counter() - t0
     t1 = time.perf_counter()
     step(*data)
@@ -176,13 +189,14 @@ def child(model_name: str, config: str) -> dict:
 
 # ---- parent: one child per configuration -------------------------------------------------------
 
-def run_child(model_name: str, config: str, cache_dir: str) -> dict:
+def run_child(model_name: str, config: str, cache_dir: str, saved: str = "") -> dict:
     import resource
 
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, __file__, "--child", model_name, config],
+    res = subprocess.run([sys.executable, __file__, "--child", model_name, config,
+                          *([saved] if saved else [])],
                          capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - t0
     if res.returncode != 0:
@@ -235,8 +249,10 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--model", choices=MODELS, default="tinygpt")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--warm", action="store_true", help="also run each config again on its cache")
+    ap.add_argument("--saved", action="store_true",
+                    help="also save each dlspass step ahead of time and load it in a fresh process")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs="+", metavar="MODEL CONFIG [MODE:PATH]", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child)))
@@ -249,6 +265,13 @@ def main(argv: list[str] | None = None) -> str:
         if args.warm:
             rows.append({**run_child(args.model, config, cache), "cache": "warm"})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if args.saved and config != "torch":
+            path = os.path.join(tempfile.mkdtemp(prefix="dlspass-saved-"), "step.dlstep")
+            for mode in ("save", "load"):
+                fresh = tempfile.mkdtemp(prefix=f"dlspass-breakdown-{config}-{mode}-")
+                rows.append({**run_child(args.model, config, fresh, f"{mode}:{path}"),
+                             "cache": f"aot {mode}"})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     if args.json:
         out = json.dumps(rows, indent=1)
     else:
