@@ -166,6 +166,7 @@ def _fake_saved(path: Path, step: CompiledStep, **changes: object) -> Path:
     ({"python": "3.10.0"}, "Python version"),
     ({"optimizer_options": "('Adam', ())"}, "optimizer static options"),
     ({"params": []}, "parameters"),
+    ({"globals": {"LOSS_WEIGHT": "2.0"}}, "constants the step function reads"),
     ({"sources": [["dlspass.models", 1, 3, "0" * 64]]}, "dlspass.models, lines 1-3"),
 ])
 def test_a_load_under_another_plan_is_refused_with_one_line(tmp_path, change, named):

@@ -186,14 +186,25 @@ def fingerprint(step: Any) -> dict[str, Any]:
         "params": params,
         "scaler": step.scaler is not None,
         "step_fn": getattr(step.fn, "__qualname__", type(step.fn).__qualname__),
+        "globals": _global_constants(step.fn),
     }
+
+
+def _global_constants(fn: Any) -> dict[str, str]:
+    """The plain constants ``fn``'s own code reads from its module's globals, by name: dynamo
+    bakes them into the graph and torch's ``aot_compile`` drops its guards on globals, so the
+    header carries them (a changed ``LOSS_WEIGHT = ...`` line is outside the traced lines)."""
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    return {name: repr(scope[name]) for name in getattr(code, "co_names", ())
+            if name in scope and isinstance(scope[name], int | float | complex | str | bytes | type(None))}
 
 
 def _what(key: str) -> str:
     return {"config": "DLS config", "plan": "DLS config or graph passes", "dlspass": "dlspass source",
             "torch": "torch version", "python": "Python version", "optimizer": "optimizer type",
             "optimizer_options": "optimizer static options", "params": "parameters",
-            "scaler": "loss scaler", "step_fn": "step function"}.get(key, key)
+            "scaler": "loss scaler", "step_fn": "step function",
+            "globals": "constants the step function reads"}.get(key, key)
 
 
 def _short(value: Any) -> str:
