@@ -210,8 +210,9 @@ class CompiledStep(StepRunner):
         The saved step runs on this step's own function, model, optimizer and scaler; a file
         saved under another plan (DLS config, graph passes, optimizer type or static options,
         parameters, a changed source, another dlspass, torch or Python) is refused with one
-        line (``SavedStepMismatchError``), never run. Load only files you trust (the file
-        holds a pickle). Example: see `save`.
+        line (``SavedStepMismatchError``), never run; so is a later call that the saved
+        guards refuse (e.g. a parameter group added). Nothing is traced, so ``graphs`` stays
+        empty. Load only files you trust (the file holds a pickle). Example: see `save`.
         """
         self._aot = load_step(self, path)
         return self

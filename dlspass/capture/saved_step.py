@@ -126,7 +126,7 @@ def load_step(step: Any, path: str | Path) -> AOTCompiledFunction:
     if changed is not None:
         raise SavedStepMismatchError(f"{p}: the source the saved step traced has changed since "
                                      f"({changed}); compile and save it again")
-    with step.live():
+    with step.live():  # dynamo's settings of the save while its guards are rebuilt
         compiled = AOTCompiledFunction.deserialize(data, None, {_FN_KEY: step.fn})
     return compiled
 
