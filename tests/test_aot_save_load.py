@@ -101,8 +101,22 @@ def child(mode: str, out: str, path: str) -> None:
                 refused[name] = None
             except SavedStepMismatchError as e:
                 refused[name] = str(e)
+        # a call the saved guards do not cover is refused, never run on the saved graph
+        x, y, f = data[0]
+        for name, call in (("batch of 8", lambda: step(x[:8], y[:8], f)),
+                           ("param group added", lambda: _add_group_and_call(step, x, y, f))):
+            try:
+                call()
+                refused[name] = None
+            except SavedStepMismatchError as e:
+                refused[name] = str(e)
     torch.save({**record, "skipped": step.scaler.state.num_skipped_steps.clone(), "counts": counts,
                 "refused": refused, "prepare_s": prepare_s, "first_call_s": first_call_s}, out)
+
+
+def _add_group_and_call(step: CompiledStep, *batch: torch.Tensor) -> None:
+    step.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    step(*batch)
 
 
 def _run(tmp: Path, mode: str, path: Path) -> dict:
@@ -148,6 +162,8 @@ def test_a_saved_step_loads_in_a_fresh_process_and_trains_bit_identically(tmp_pa
     assert "fp16_type" in refused["bfloat16"] and "\n" not in refused["bfloat16"], refused
     assert "hysteresis" in refused["hysteresis"], refused
     assert "optimizer type" in refused["SGD"], refused
+    for name in ("batch of 8", "param group added"):
+        assert refused[name] is not None and "guards failed" in refused[name], refused
 
 
 # ---- refusals that need no compile ------------------------------------------------------------
