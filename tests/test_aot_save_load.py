@@ -1,6 +1,8 @@
 """A ``dlspass.compile`` step saved ahead of time (``CompiledStep.save``) and loaded in another
-process (``CompiledStep.load``) trains bit-identically with nothing compiled, and a load under
-another plan is refused.
+process (``CompiledStep.load``) trains bit-identically with nothing traced or lowered (dynamo,
+AOTAutograd, the dlspass passes and inductor do not run; inductor's kernels are built from the
+C++ source the file carries, the cache folder being empty), and a load under another plan is
+refused.
 
 The two processes are this file run as a script (``python tests/test_aot_save_load.py MODE
 OUT FILE``), each with its own, empty ``TORCHINDUCTOR_CACHE_DIR``: the loader can only run
@@ -145,8 +147,8 @@ def test_a_saved_step_loads_in_a_fresh_process_and_trains_bit_identically(tmp_pa
 
     loaded = _run(tmp_path, "load", path)
     counts = loaded["counts"]
-    # nothing compiled: dynamo saw no frame (so nothing recompiled), AOTAutograd and inductor
-    # were never asked, and the process's inductor cache was empty
+    # nothing traced or lowered: dynamo saw no frame (so nothing recompiled), AOTAutograd and
+    # inductor were never asked to compile (no cache hit or miss either: the folder was empty)
     assert counts["frames.total"] == 0, counts
     assert counts["stats.unique_graphs"] == 0, counts
     assert all(v == 0 for k, v in counts.items() if k.startswith(("aot_autograd", "inductor"))), counts
