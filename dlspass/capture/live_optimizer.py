@@ -15,6 +15,9 @@ from dlspass.capture.optim import (
     FunctionalOptimizer,
     UnsupportedOptimizerError,
     functionalize,
+    fused_constants,
+    fused_group_update,
+    fused_kernel_problem,
     optimizer_kind,
     update_one,
 )
@@ -209,6 +212,11 @@ class LiveOptimizer:
             raise StepCaptureError("optimizer.step(closure) is not supported inside dlspass.compile")
         with torch.no_grad():
             for gi, (params, plan) in enumerate(zip(self.params, self.plans, strict=True)):
+                constants = (fused_constants(self.optimizer.param_groups[gi])
+                             if fused_kernel_problem(self.fopt.kind, plan) is None else None)
+                if constants is not None:
+                    self._fused_step(gi, params, plan, constants)
+                    continue
                 hyper = {k: mark(t, roles.HYPER, f"group{gi}.{k}").reshape(())
                          for k, t in self.hyper[gi].items()}
                 for p, name, flag in zip(params, self.param_names[gi], self.param_flags[gi], strict=True):
@@ -227,6 +235,24 @@ class LiveOptimizer:
             for t, field in zip(self.state, scale_policy.STATE_FIELDS, strict=True):
                 # the state passes through; UpdateScalePass replaces these outputs
                 t.copy_(mark(mark(t, roles.SCALER_STATE, field), roles.SCALER_STATE_UPDATE, field))
+
+    def _fused_step(self, gi: int, params: list[Tensor], plan: Any, constants: dict[str, float]) -> None:
+        """Group ``gi``'s update by torch's fused kernel (``dlspass.capture.optim``'s policy),
+        its values marked as `step`'s are."""
+        lr = mark(self.hyper[gi]["lr"], roles.HYPER, f"group{gi}.lr").reshape(())
+        # by position, as `step` reads them (a saved step runs in another process: no ids)
+        pairs = [(p, n) for p, n in zip(params, self.param_names[gi], strict=True) if p.grad is not None]
+        live, names = [p for p, _ in pairs], [n for _, n in pairs]
+        states = [self._state_of(p, plan, None) for p in live]
+        new_ps, new_sts = fused_group_update(
+            plan, [mark(p, roles.PARAM, n) for p, n in zip(live, names, strict=True)],
+            [mark(p.grad, roles.GRAD, n).to(p.dtype) for p, n in zip(live, names, strict=True)],
+            [{k: mark(v, roles.OPT_STATE, f"{n}.{k}") for k, v in st.items()}
+             for st, n in zip(states, names, strict=True)], lr, constants)
+        for p, n, st, new_p, new_st in zip(live, names, states, new_ps, new_sts, strict=True):
+            p.copy_(mark(new_p, roles.PARAM_UPDATE, n))
+            for k, v in new_st.items():
+                st[k].copy_(mark(v, roles.OPT_STATE_UPDATE, f"{n}.{k}"))
 
     def _state_of(self, p: Tensor, plan: Any, flag: Tensor | None) -> dict[str, Tensor]:
         """The live state tensors ``update_one`` reads for ``p``, in torch's ``optimizer.state``
