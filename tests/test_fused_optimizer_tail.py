@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import dlspass
-from dlspass.capture.optim import GroupPlan, fused_constants, fused_kernel_problem
+from dlspass.capture.fused_optimizer import fused_constants, fused_kernel_problem
+from dlspass.capture.optim import GroupPlan
+from dlspass.graph import roles
 
 INIT, INTERVAL = 2.0**10, 3
 OVERFLOW_STEPS = (2, 6)  # the second one after a growth
@@ -88,6 +90,13 @@ def _dlspass_run(opt_cls, opt_kw, **compile_kw):
     return rows, snaps, skipped, compiled
 
 
+def compiled_targets(compiled) -> list[str]:
+    """The graph targets of the parameters the compiled step updates."""
+    graph = compiled.graphs[-1].graph
+    return [roles.target_of(n) for n in graph.find_nodes(op="placeholder")
+            if roles.role_of(n) == roles.PARAM]
+
+
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
 
@@ -117,6 +126,12 @@ def test_fused_optimizer_step_is_bit_equal_to_torch_fused_with_grad_scaler(opt_c
     fused = torch.ops.aten._fused_adamw.tensor_lr if opt_cls is torch.optim.AdamW \
         else torch.ops.aten._fused_adam.tensor_lr
     assert targets.count(fused) == 1, targets
+    # it skips an overflow step by itself (found_inf, GuardFusedUpdatesPass): the only where()
+    # guards left are the step counts', computed outside the kernel
+    (kernel,) = [n for n in graph.nodes if n.target is fused]
+    assert kernel.kwargs["found_inf"] is not None
+    guarded = [roles.target_of(n) for n in graph.nodes if roles.role_of(n) == roles.GUARD]
+    assert sorted(guarded) == sorted(f"{t}.step" for t in compiled_targets(compiled)), guarded
     assert torch.ops.aten.addcdiv.default not in targets
     assert torch.ops.aten.lerp.Scalar not in targets and torch.ops.aten.lerp.Tensor not in targets
 

@@ -10,14 +10,16 @@ import torch
 from torch import Tensor
 
 from dlspass import scale_policy
+from dlspass.capture.fused_optimizer import (
+    fused_constants,
+    fused_group_update,
+    fused_kernel_problem,
+)
 from dlspass.capture.optim import (
     SUPPORTED_OPTIMIZERS,
     FunctionalOptimizer,
     UnsupportedOptimizerError,
     functionalize,
-    fused_constants,
-    fused_group_update,
-    fused_kernel_problem,
     optimizer_kind,
     update_one,
 )

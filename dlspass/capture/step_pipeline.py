@@ -3,7 +3,8 @@
 Every front end that makes a whole training step (``capture_step``, ``dlspass.compile``, the
 ``.pt2`` transform) runs its step graph through `run_step_pipeline`::
 
-    tag -> pre-passes -> apply_dls -> post-passes -> after-DLS passes -> verify -> write-back
+    tag -> pre-passes -> apply_dls -> post-passes -> after-DLS passes -> verify
+        -> fused-kernel guard -> write-back
 
 - **tag**: the front end's own tagging, when its graph does not come tagged (``dlspass.compile``
   passes ``tag_aot_graph``; ``trace_step`` tags while it traces; a ``.pt2`` step is tagged by
@@ -24,6 +25,10 @@ Every front end that makes a whole training step (``capture_step``, ``dlspass.co
   telemetry without a telemetry hook to feed and read it (the ``.pt2`` transform) is refused;
 - **verify**: ``dlspass.verify`` again whenever a post-pass or an after-DLS pass ran, so a
   rewrite after DLS that breaks an invariant is caught in every front end alike;
+- **fused-kernel guard**: ``GuardFusedUpdatesPass``: a fused optimizer kernel (an optimizer built
+  ``fused=True``) gets the overflow flag as its ``found_inf`` and its outputs lose their
+  ``where`` guards (the kernel returns its inputs on overflow); after ``verify``, whose contract
+  is the ``where`` form;
 - **write-back**: ``WriteUpdatesInPlacePass`` where the front end wants its updates written
   into its inputs (``dlspass.compile``). It comes after ``verify``, which reads the functional
   outputs: the ``copy_`` epilogue changes where an update lands, not what it is.
@@ -54,6 +59,7 @@ from dlspass.passes.all_reduce_grads_pass import AllReduceGradsPass
 
 # the phases are GraphPass's class attribute (dlspass.passes.base); the names stay importable here
 from dlspass.passes.base import AFTER_DLS, BEFORE_DLS, PIPELINE_PHASES
+from dlspass.passes.guard_fused_updates_pass import GuardFusedUpdatesPass
 from dlspass.passes.write_updates_in_place_pass import WriteUpdatesInPlacePass
 
 
@@ -150,6 +156,9 @@ def run_step_pipeline(
     added += _check_added(gm, n_inputs, extra_inputs)
     if post or after:
         verify(gm)
+    # after verify, whose contract is the where() form: a fused optimizer kernel skips by itself
+    GuardFusedUpdatesPass()(gm)
+    check_graph(gm)
     if write_in_place:
         WriteUpdatesInPlacePass()(gm)
         check_graph(gm)
