@@ -174,3 +174,38 @@ def test_the_policy_gives_the_fused_kernel_only_to_fused_adam_groups():
     assert fused_constants(group) == {"beta1": 0.9, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.0}
     # a tensor beta is no constant: that group keeps the per-parameter form
     assert fused_constants({**group, "betas": (torch.tensor(0.9), 0.99)}) is None
+
+
+def test_under_inductor_the_update_is_one_library_call_and_a_skip_changes_nothing():
+    """The compile the kernel is for: inductor runs the fused kernel as a library (extern)
+    call given the overflow flag, and generates no C++ for the update; an overflow step leaves
+    parameters and optimizer state bit-identical (the kernel returns them untouched)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = dlspass.GradScaler(policy="torch", init_scale=INIT, steps_per_increase=INTERVAL)
+
+    def step(x, y, k):
+        loss = _loss(model, x, y, k)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    compiled = dlspass.compile(step, optimizer=opt, scaler=scaler, mixed_precision=False)
+    batches = _batches()[:OVERFLOW_STEPS[0] + 1]
+    _, codes = run_and_get_code(compiled, *batches[0])
+    code = "\n".join(codes)
+    calls = [line for line in code.splitlines() if "torch.ops.aten._fused_adamw" in line
+             and "found_inf=" in line and "found_inf=None" not in line]
+    assert len(calls) == 1, code[-3000:]
+    kernels = [line.split(" = ")[0] for line in code.splitlines() if "async_compile.cpp_pybinding" in line]
+    assert kernels and not [k for k in kernels if "addcdiv" in k or "lerp" in k], kernels
+    snaps = [_snapshot(model, opt)]
+    for batch in batches[1:]:
+        compiled(*batch)
+        snaps.append(_snapshot(model, opt))
+    assert not _equal(snaps[1], snaps[0])  # a normal step moves them
+    skipped = OVERFLOW_STEPS[0]
+    assert bool(scaler.found_inf) and _equal(snaps[skipped], snaps[skipped - 1])
