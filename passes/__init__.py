@@ -24,7 +24,8 @@ file's one-line docstring states its rewrite; README "Layout" groups them): capt
 (``drop_copy_back``, ``mark_seed``, ``merge_placeholders``, ``drop_none_getitems``,
 ``lift_constants``, ``drop_unchanged_outputs``, ``clone_shared_outputs``,
 ``remove_placeholder_aliases``, ``write_updates_in_place``), backends (``scale_backward``,
-``decompose_for_inductor``, ``decompose_rounding``, ``guard_fused_updates``), distributed and faults (``all_reduce_grads``,
+``decompose_for_inductor``, ``decompose_rounding``, ``guard_fused_updates``,
+``reinplace_fused_kernel``), distributed and faults (``all_reduce_grads``,
 ``all_reduce_flag``, ``inject_faults``), numerics telemetry (``insert_telemetry``, a
 ``graph_passes`` pass) and ONNX (``lower_precision_onnx``, ``insert_dls_onnx``,
 ``expand_bool_where``, ``expose_seed``).

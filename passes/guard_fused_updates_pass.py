@@ -96,17 +96,17 @@ def _guarded_update(v: object, isfinite: fx.Node, updates: dict[fx.Node, tuple[i
     if not (isinstance(v, fx.Node) and v.target is aten.where.self and roles.role_of(v) == roles.GUARD):
         return None
     cond, new, old = v.args
-    src = _peel(new)
+    src = peel(new)
     if cond is not isfinite or src not in updates:
         return None
     lst, pos = updates[src]
     inputs = kernel.args[lst] if lst < len(kernel.args) else None
-    if not isinstance(inputs, (list, tuple)) or pos >= len(inputs) or _peel(inputs[pos]) is not _peel(old):
+    if not isinstance(inputs, (list, tuple)) or pos >= len(inputs) or peel(inputs[pos]) is not peel(old):
         return None
     return new
 
 
-def _peel(node: object) -> object:
+def peel(node: object) -> object:
     """``node`` without the identities tracing leaves around a value: ``alias``, and the
     functional ``copy(dst, src)`` of an in-place update (its value is ``src``)."""
     while isinstance(node, fx.Node):

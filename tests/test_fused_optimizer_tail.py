@@ -21,6 +21,7 @@ import dlspass
 from dlspass.capture.fused_optimizer import fused_constants, fused_kernel_problem
 from dlspass.capture.optim import GroupPlan
 from dlspass.graph import roles
+from dlspass.scale_policy import STATE_FIELDS
 
 INIT, INTERVAL = 2.0**10, 3
 OVERFLOW_STEPS = (2, 6)  # the second one after a growth
@@ -123,9 +124,14 @@ def test_fused_optimizer_step_is_bit_equal_to_torch_fused_with_grad_scaler(opt_c
     # the update is torch's fused kernel, once for the whole group, not per-parameter math
     graph = compiled.graphs[-1].graph
     targets = [n.target for n in graph.nodes if n.op == "call_function"]
-    fused = torch.ops.aten._fused_adamw.tensor_lr if opt_cls is torch.optim.AdamW \
-        else torch.ops.aten._fused_adam.tensor_lr
+    # in place, as torch.optim calls it (ReinplaceFusedKernelPass): no functional kernel left
+    fused = torch.ops.aten._fused_adamw_.tensor_lr if opt_cls is torch.optim.AdamW \
+        else torch.ops.aten._fused_adam_.tensor_lr
     assert targets.count(fused) == 1, targets
+    assert not {torch.ops.aten._fused_adamw.tensor_lr, torch.ops.aten._fused_adam.tensor_lr} & set(targets)
+    # and nothing copies the parameters or their moments back: the kernel wrote them
+    copied = {roles.target_of(n) for n in graph.nodes if n.target is torch.ops.aten.copy_.default}
+    assert not {t for t in copied if t and not t.endswith(".step")} - set(STATE_FIELDS), copied
     # it skips an overflow step by itself (found_inf, GuardFusedUpdatesPass): the only where()
     # guards left are the step counts', computed outside the kernel
     (kernel,) = [n for n in graph.nodes if n.target is fused]
@@ -197,8 +203,8 @@ def test_under_inductor_the_update_is_one_library_call_and_a_skip_changes_nothin
     batches = _batches()[:OVERFLOW_STEPS[0] + 1]
     _, codes = run_and_get_code(compiled, *batches[0])
     code = "\n".join(codes)
-    calls = [line for line in code.splitlines() if "torch.ops.aten._fused_adamw" in line
-             and "found_inf=" in line and "found_inf=None" not in line]
+    calls = [line for line in code.splitlines() if "torch.ops.aten._fused_adamw_." in line
+             and "found_inf=" in line and "found_inf=None" not in line]  # in place, flag given
     assert len(calls) == 1, code[-3000:]
     kernels = [line.split(" = ")[0] for line in code.splitlines() if "async_compile.cpp_pybinding" in line]
     assert kernels and not [k for k in kernels if "addcdiv" in k or "lerp" in k], kernels

@@ -31,7 +31,9 @@ Every front end that makes a whole training step (``capture_step``, ``dlspass.co
   is the ``where`` form;
 - **write-back**: ``WriteUpdatesInPlacePass`` where the front end wants its updates written
   into its inputs (``dlspass.compile``). It comes after ``verify``, which reads the functional
-  outputs: the ``copy_`` epilogue changes where an update lands, not what it is.
+  outputs: the ``copy_`` epilogue changes where an update lands, not what it is. Then
+  ``ReinplaceFusedKernelPass``: a fused optimizer kernel whose updates are all copied back into
+  its own inputs runs in place, as torch.optim runs it, without the copies.
 
 This module also holds what the two step front ends share besides the line itself: their error
 (`StepCaptureError`), their refusal of DTensor parameters (`refuse_dtensor_params`) and how they
@@ -60,6 +62,7 @@ from dlspass.passes.all_reduce_grads_pass import AllReduceGradsPass
 # the phases are GraphPass's class attribute (dlspass.passes.base); the names stay importable here
 from dlspass.passes.base import AFTER_DLS, BEFORE_DLS, PIPELINE_PHASES
 from dlspass.passes.guard_fused_updates_pass import GuardFusedUpdatesPass
+from dlspass.passes.reinplace_fused_kernel_pass import ReinplaceFusedKernelPass
 from dlspass.passes.write_updates_in_place_pass import WriteUpdatesInPlacePass
 
 
@@ -161,6 +164,9 @@ def run_step_pipeline(
     check_graph(gm)
     if write_in_place:
         WriteUpdatesInPlacePass()(gm)
+        check_graph(gm)
+        # a fused optimizer kernel whose updates all land in its own inputs: in place, no copies
+        ReinplaceFusedKernelPass()(gm)
         check_graph(gm)
     return gm, added
 
