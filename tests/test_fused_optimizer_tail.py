@@ -215,3 +215,32 @@ def test_under_inductor_the_update_is_one_library_call_and_a_skip_changes_nothin
     assert not _equal(snaps[1], snaps[0])  # a normal step moves them
     skipped = OVERFLOW_STEPS[0]
     assert bool(scaler.found_inf) and _equal(snaps[skipped], snaps[skipped - 1])
+
+
+def test_fused_step_launches_no_more_kernels_than_torch_best_practice():
+    """tests/test_kernel_launches.py's count, with dlspass's AdamW built fused=True as torch's
+    is: the update is one library call in the graph, the DLS math fused around it."""
+    import test_kernel_launches as tkl
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, tkl.VOCAB, (tkl.BATCH, tkl.SEQ + 1), generator=g)
+    batch = (idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+    torch._dynamo.reset()
+    theirs, their_eager = tkl._launches(tkl._torch_step(tkl._model()), batch)
+    torch._dynamo.reset()
+    model = tkl._model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = dlspass.GradScaler(config=dlspass.DLSConfig(fp16_type="float16"))
+
+    def step(idx, targets):
+        loss = tkl._loss(model, idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    ours, our_eager = tkl._launches(dlspass.compile(step, optimizer=opt, scaler=scaler), batch)
+    # the fused kernel runs inside the compiled graph, never eagerly
+    assert not {"aten::_fused_adamw_", "aten::_amp_foreach_non_finite_check_and_unscale_"} \
+        & set(our_eager), our_eager
+    assert ours <= theirs, (ours, theirs, our_eager, their_eager)
