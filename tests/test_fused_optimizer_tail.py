@@ -68,11 +68,9 @@ def _torch_run(opt_cls, opt_kw):
     return rows, snaps
 
 
-def _dlspass_run(opt_cls, opt_kw, **compile_kw):
-    model = _model()
-    opt = opt_cls(model.parameters(), fused=True, **opt_kw)
-    scaler = dlspass.GradScaler(policy="torch", init_scale=INIT, steps_per_increase=INTERVAL)
-
+def _compiled(model, opt, scaler, **compile_kw):
+    """``dlspass.compile`` of the plain step (forward, backward, ``opt.step()``, zero_grad) on
+    float32 weights with loss scaling, as torch.amp scales a float32 model."""
     def step(x, y, k):
         loss = _loss(model, x, y, k)
         loss.backward()
@@ -80,8 +78,14 @@ def _dlspass_run(opt_cls, opt_kw, **compile_kw):
         opt.zero_grad()
         return loss.detach()
 
-    compiled = dlspass.compile(step, optimizer=opt, scaler=scaler, mixed_precision=False,
-                               **compile_kw)
+    return dlspass.compile(step, optimizer=opt, scaler=scaler, mixed_precision=False, **compile_kw)
+
+
+def _dlspass_run(opt_cls, opt_kw, **compile_kw):
+    model = _model()
+    opt = opt_cls(model.parameters(), fused=True, **opt_kw)
+    scaler = dlspass.GradScaler(policy="torch", init_scale=INIT, steps_per_increase=INTERVAL)
+    compiled = _compiled(model, opt, scaler, **compile_kw)
     rows, snaps, skipped = [], [], []
     for x, y, k in _batches():
         loss = compiled(x, y, k)
@@ -150,16 +154,7 @@ def test_changing_a_constant_of_the_fused_kernel_recompiles_and_takes_effect():
     for change in (False, True):
         model = _model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-
-        def step(x, y, k, model=model, opt=opt):
-            loss = _loss(model, x, y, k)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
-        compiled = dlspass.compile(step, optimizer=opt, scaler=None, mixed_precision=False,
-                                   backend_compiler="eager")
+        compiled = _compiled(model, opt, None, backend_compiler="eager")
         compiled(*batches[0])
         if change:
             opt.param_groups[0]["betas"] = (0.5, 0.999)
@@ -191,15 +186,7 @@ def test_under_inductor_the_update_is_one_library_call_and_a_skip_changes_nothin
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     scaler = dlspass.GradScaler(policy="torch", init_scale=INIT, steps_per_increase=INTERVAL)
-
-    def step(x, y, k):
-        loss = _loss(model, x, y, k)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    compiled = dlspass.compile(step, optimizer=opt, scaler=scaler, mixed_precision=False)
+    compiled = _compiled(model, opt, scaler)
     batches = _batches()[:OVERFLOW_STEPS[0] + 1]
     _, codes = run_and_get_code(compiled, *batches[0])
     code = "\n".join(codes)
