@@ -171,6 +171,7 @@ def test_the_policy_gives_the_fused_kernel_only_to_fused_adam_groups():
     fused = GroupPlan(index=0, names=("w",), fused=True)
     assert fused_kernel_problem("Adam", fused) is None
     assert "first-step flag" in fused_kernel_problem("SGD", fused)
+    assert "CPU only" in fused_kernel_problem("Adam", fused, "cuda")
     group = {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.0}
     assert fused_constants(group) == {"beta1": 0.9, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.0}
     # a tensor beta is no constant: that group keeps the per-parameter form

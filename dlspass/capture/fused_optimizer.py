@@ -19,7 +19,7 @@ from dlspass.capture.optim import GroupPlan
 FUSED_CONSTANTS = ("beta1", "beta2", "eps", "weight_decay")
 
 
-def fused_kernel_problem(kind: str, plan: GroupPlan) -> str | None:
+def fused_kernel_problem(kind: str, plan: GroupPlan, device_type: str = "cpu") -> str | None:
     """Why ``plan``'s group is updated per parameter (``update_one``) rather than by torch's
     fused multi-tensor kernel (`fused_group_update`), or None when the fused kernel runs.
 
@@ -28,10 +28,13 @@ def fused_kernel_problem(kind: str, plan: GroupPlan) -> str | None:
     group keeps the single-tensor math its optimizer runs eagerly on a CPU. The fused kernel
     runs as one library call, so the compiler generates no code for the update. SGD keeps
     the per-parameter form: torch's fused SGD takes "first step" as a constant, which a
-    momentum buffer created lazily inside the graph does not have.
+    momentum buffer created lazily inside the graph does not have. CPU only for now: the
+    CUDA kernel's tensor-lr form and its numerics against torch's have not been run on a GPU.
     """
     if not plan.fused:
         return "the optimizer was not built with fused=True"
+    if device_type != "cpu":
+        return f"the fused kernel path is checked on the CPU only, not on {device_type}"
     if kind != "Adam":
         return f"torch's fused {kind} takes its first-step flag as a constant"
     return None

@@ -215,7 +215,8 @@ class LiveOptimizer:
         with torch.no_grad():
             for gi, (params, plan) in enumerate(zip(self.params, self.plans, strict=True)):
                 constants = (fused_constants(self.optimizer.param_groups[gi])
-                             if fused_kernel_problem(self.fopt.kind, plan) is None else None)
+                             if fused_kernel_problem(self.fopt.kind, plan, params[0].device.type
+                                                     if params else "cpu") is None else None)
                 if constants is not None:
                     self._fused_step(gi, params, plan, constants)
                     continue
@@ -244,6 +245,8 @@ class LiveOptimizer:
         lr = mark(self.hyper[gi]["lr"], roles.HYPER, f"group{gi}.lr").reshape(())
         # by position, as `step` reads them (a saved step runs in another process: no ids)
         pairs = [(p, n) for p, n in zip(params, self.param_names[gi], strict=True) if p.grad is not None]
+        if not pairs:
+            return  # no gradient in the group: torch.optim skips every parameter of it
         live, names = [p for p, _ in pairs], [n for _, n in pairs]
         states = [self._state_of(p, plan, None) for p in live]
         new_ps, new_sts = fused_group_update(
