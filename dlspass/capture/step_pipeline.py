@@ -160,14 +160,14 @@ def run_step_pipeline(
     if post or after:
         verify(gm)
     # after verify, whose contract is the where() form: a fused optimizer kernel skips by itself
-    GuardFusedUpdatesPass()(gm)
-    check_graph(gm)
+    if GuardFusedUpdatesPass()(gm).modified:
+        check_graph(gm)
     if write_in_place:
         WriteUpdatesInPlacePass()(gm)
         check_graph(gm)
         # a fused optimizer kernel whose updates all land in its own inputs: in place, no copies
-        ReinplaceFusedKernelPass()(gm)
-        check_graph(gm)
+        if ReinplaceFusedKernelPass()(gm).modified:
+            check_graph(gm)
     return gm, added
 
 
