@@ -50,7 +50,8 @@ def fused_group_update(plan: GroupPlan, params: list[Tensor], grads: list[Tensor
     them advanced; ``lr`` is the group's 0-d float64 tensor (the kernel reads its value as the
     double torch passes for a float lr); ``constants`` holds `FUSED_CONSTANTS` as Python
     floats (the kernel takes them so). Gradients come unscaled, so no ``grad_scale`` and no
-    ``found_inf`` here: DLS guards the outputs as it guards ``update_one``'s.
+    ``found_inf`` here: DLS guards the outputs as it guards ``update_one``'s, then
+    ``GuardFusedUpdatesPass`` hands the overflow flag to the kernel as its ``found_inf``.
     """
     steps = [st["step"] + 1 for st in states]
     op = torch.ops.aten._fused_adamw if plan.decoupled else torch.ops.aten._fused_adam

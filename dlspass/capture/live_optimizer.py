@@ -240,13 +240,13 @@ class LiveOptimizer:
                 t.copy_(mark(mark(t, roles.SCALER_STATE, field), roles.SCALER_STATE_UPDATE, field))
 
     def _fused_step(self, gi: int, params: list[Tensor], plan: Any, constants: dict[str, float]) -> None:
-        """Group ``gi``'s update by torch's fused kernel (``dlspass.capture.optim``'s policy),
-        its values marked as `step`'s are."""
-        lr = mark(self.hyper[gi]["lr"], roles.HYPER, f"group{gi}.lr").reshape(())
+        """Group ``gi``'s update by torch's fused kernel (``dlspass.capture.fused_optimizer``'s
+        policy), its values marked as `step`'s are."""
         # by position, as `step` reads them (a saved step runs in another process: no ids)
         pairs = [(p, n) for p, n in zip(params, self.param_names[gi], strict=True) if p.grad is not None]
         if not pairs:
             return  # no gradient in the group: torch.optim skips every parameter of it
+        lr = mark(self.hyper[gi]["lr"], roles.HYPER, f"group{gi}.lr").reshape(())
         live, names = [p for p, _ in pairs], [n for _, n in pairs]
         states = [self._state_of(p, plan, None) for p in live]
         new_ps, new_sts = fused_group_update(
