@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from stepgraph import Step, _Bound, run
+from stepgraph import Step, _Bound, mlp_step, run
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -104,17 +104,17 @@ def test_the_kernel_gets_the_flag_and_the_guards_of_its_outputs_go() -> None:
         assert not any(torch.equal(got[role][k], old) for k, old in olds.items()), role
 
 
+def assert_changes_nothing(graph_pass, gm: fx.GraphModule, stats: dict[str, int]) -> None:
+    """``graph_pass`` on ``gm`` reports no change, with ``stats``, and leaves its code as it was."""
+    code = gm.code
+    result = graph_pass(gm)
+    assert not result.modified and result.stats == stats
+    assert gm.code == code
+
+
 def test_second_run_and_graphs_without_a_kernel_change_nothing() -> None:
     step = fused_adamw_step()
     GuardFusedUpdatesPass()(step.gm)
-    code = step.gm.code
-    again = GuardFusedUpdatesPass()(step.gm)
-    assert not again.modified and again.stats == {"kernels": 0, "guards": 0}
-    assert step.gm.code == code
-    from stepgraph import mlp_step  # per-parameter SGD: no fused kernel
-
-    plain = mlp_step(CONFIG).gm
-    plain = apply_dls(plain, CONFIG)
-    code = plain.code
-    assert not GuardFusedUpdatesPass()(plain).modified
-    assert plain.code == code
+    assert_changes_nothing(GuardFusedUpdatesPass(), step.gm, {"kernels": 0, "guards": 0})
+    plain = apply_dls(mlp_step(CONFIG).gm, CONFIG)  # per-parameter SGD: no fused kernel
+    assert_changes_nothing(GuardFusedUpdatesPass(), plain, {"kernels": 0, "guards": 0})
