@@ -30,6 +30,11 @@ There are three implementations that agree bitwise (NaN payloads aside):
    for it inside an FX graph.
 3. ``round_arith``: float arithmetic only (log2, exp2, round, where) for exporters that have no
    bitcast (ONNX).
+4. ``round_add``: the rounding itself as one float32 add and subtract of a power of two scaled
+   to the value's exponent (about half the ops of ``round_bits``); what inductor compiles for
+   cbfloat16 (and float16 with switches), where the first call's lowering and code generation
+   grow with the ops per rounded value. Only for formats whose range it covers
+   (``add_form_ok``): cbfloat16 and float16, not bfloat16.
 """
 
 from __future__ import annotations
@@ -70,10 +75,13 @@ _CHUNK = 32000  # eager chunk: < ATen's 32768 parallel grain, ~500 KiB of buffer
 # Tensors at least this large use a lazily compiled (inductor, one fused loop) bit kernel in
 # eager mode; tests and tiny models never reach it. DLSPASS_ROUNDING_COMPILE=0 turns it off.
 COMPILE_MIN_NUMEL = 1 << 22
-# the plain-op forms of the rounding op: round_bits, round_arith, and "cast" (round_bits, except
-# that float16 and bfloat16 without switches are a cast there and back; for inductor with
-# emulate_precision_casts, which otherwise drops the round trip)
-FORMS = ("bits", "arith", "cast")
+# the plain-op forms of the rounding op: round_bits, round_arith, round_add, and "cast" (for
+# inductor: float16 and bfloat16 without switches are a cast there and back, kept by
+# emulate_precision_casts, which otherwise drops the round trip; the other formats round_add
+# where add_form_ok, else round_bits)
+FORMS = ("bits", "arith", "cast", "add")
+_EXP_MASK = 0x7F800000
+_NO_ADD = "round_add cannot round to {!r}: its top binade needs an adder past float32's range"
 
 
 # a float format (or rounding form) name that dlspass does not know
@@ -171,6 +179,11 @@ class _Consts:
     min_normal_bits: int
     min_normal: float
     has_subnormal_path: bool  # format subnormals are float32 normals: need a wider shift
+    # round_add: the exponent field of the adder is clamp(exponent, emin, emax + 1) + shift
+    add_ok: bool
+    add_exp_lo: int
+    add_exp_hi: int
+    max: float
 
 
 _CONSTS: dict[str, _Consts] = {}
@@ -182,6 +195,7 @@ def _consts(fmt: Format) -> _Consts:
         if fmt.exponent_bits > 8 or fmt.mantissa_bits > _F32_MANT:
             raise FormatError(f"format {fmt.name!r} does not fit in float32")
         shift = _F32_MANT - fmt.mantissa_bits
+        emax = 2**fmt.exponent_bits - 2 - fmt.bias
         c = _Consts(
             shift=shift,
             round_bias=(1 << (shift - 1)) - 1 if shift else 0,
@@ -190,6 +204,14 @@ def _consts(fmt: Format) -> _Consts:
             min_normal_bits=_f32_bits(fmt.min_normal),
             min_normal=fmt.min_normal,
             has_subnormal_path=fmt.min_exponent > 1 - _F32_BIAS,
+            # the adder 2**(emax + 1 + shift) must be a finite float32, and a float32 subnormal
+            # input must round to zero (so a CPU that flushes subnormal inputs to zero still
+            # rounds right): emin - mantissa_bits - 1 >= float32's emin
+            add_ok=(emax + 1 + shift <= _F32_BIAS
+                    and fmt.min_exponent - fmt.mantissa_bits - 1 >= 1 - _F32_BIAS),
+            add_exp_lo=(fmt.min_exponent + _F32_BIAS) << _F32_MANT,
+            add_exp_hi=(emax + 1 + _F32_BIAS) << _F32_MANT,
+            max=fmt.max,
         )
         _CONSTS[fmt.name] = c
     return c
@@ -233,6 +255,54 @@ def round_bits(
     if flush_to_zero:
         r = torch.where(r < c.min_normal_bits, 0, r)
     out = torch.where(a > _INF_BITS, u, r | (u & _SIGN_MASK))
+    return out.view(torch.float32)
+
+
+def add_form_ok(fmt: str | Format) -> bool:
+    """True when ``round_add`` can round to ``fmt`` (cbfloat16, float16; not bfloat16, whose
+    adder for the top binade, 2**144, is not a float32)."""
+    return _consts(get_format(fmt)).add_ok
+
+
+def round_add(
+    x: torch.Tensor, fmt: str | Format, saturate: bool = False, flush_to_zero: bool = False
+) -> torch.Tensor:
+    """Round float32 ``x`` to ``fmt`` by adding and subtracting a power of two (about 14 fusable
+    aten ops against ``round_bits``' 30); bit-identical to ``round_bits``, NaNs included.
+
+    Why it is exact, for ``|x|`` with float32 exponent ``E`` and ``k = max(E, emin)`` (the
+    exponent whose quantum ``2**(k - m)`` the format has there, ``m`` its mantissa bits):
+    ``C = 2**(k + 23 - m)``, so ``|x| + C`` lies in ``[C, 2C)`` (``|x| < 2**(k+1)``, and for
+    ``E < emin`` below ``2**emin``), where float32's spacing is exactly the format's quantum;
+    IEEE's round-to-nearest-even of that add is the format's rounding of ``|x|``, ties included
+    (``C`` has an all-zero mantissa, so the sum's last bit is the result's last bit), and
+    subtracting ``C`` is exact (Sterbenz). ``E`` above ``emax + 1`` is clamped to it: the
+    result is then at least ``2**(emax + 2)`` (rounding is monotone), past ``max`` as it should
+    be, and ``C`` stays finite (``add_form_ok``). The sign is put back on as a bit, so a value
+    that rounds to zero keeps it; NaNs keep their bits. Requires float adds as IEEE says:
+    inductor's ``cpp.enable_unsafe_math_opt_flag`` must stay off (``INDUCTOR_CONFIG`` pins it).
+    """
+    _check_input(x)
+    f = get_format(fmt)
+    c = _consts(f)
+    if not c.add_ok:
+        raise FormatError(_NO_ADD.format(f.name))
+    u = x.view(torch.int32)
+    a = u & _ABS_MASK
+    ax = a.view(torch.float32)
+    # integer clamp and add: never overflows (the result is at most 0x7F000000 for the formats
+    # add_form_ok accepts), and inf/NaN inputs get the largest adder, a finite one
+    adder = (torch.clamp(a & _EXP_MASK, c.add_exp_lo, c.add_exp_hi) + (c.shift << _F32_MANT))
+    adder = adder.view(torch.float32)
+    r = (ax + adder) - adder
+    if saturate:
+        # `>` on the int32 bits (inductor's AVX2 where-mask bug hits `>=`, `<=`, `!=`: round_bits)
+        r = torch.where(a > _INF_BITS - 1, ax, torch.clamp(r, max=c.max))
+    else:
+        r = torch.where(r > c.max, math.inf, r)
+    if flush_to_zero:
+        r = torch.where(r < c.min_normal, 0.0, r)
+    out = torch.where(a > _INF_BITS, u, r.view(torch.int32) | (u & _SIGN_MASK))
     return out.view(torch.float32)
 
 
@@ -463,19 +533,24 @@ def round_node_args(node: fx.Node) -> tuple[fx.Node, str, bool, bool]:
     return vals["x"], vals["fmt"], bool(vals["saturate"]), bool(vals["flush_to_zero"])
 
 
-# What inductor must be told when it compiles a graph with the "cast" form: without it, its C++
-# codegen treats a float32 -> float16 -> float32 round trip as a no-op (pytorch#115260's cache).
-INDUCTOR_CONFIG = {"emulate_precision_casts": True}
+# What inductor must be told when it compiles a graph with the "cast" form: without the first,
+# its C++ codegen treats a float32 -> float16 -> float32 round trip as a no-op (pytorch#115260's
+# cache); the second keeps g++ from folding round_add's (x + C) - C back to x (it is off by
+# default, TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1 turns it on).
+INDUCTOR_CONFIG = {"emulate_precision_casts": True, "cpp.enable_unsafe_math_opt_flag": False}
 
 
 def round_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
-    """``x -> round_bits(x, ...)`` (or ``round_arith`` for ``form="arith"``) with the options bound.
+    """``x -> round_bits(x, ...)`` (``round_arith`` for ``form="arith"``, ``round_add`` for
+    ``form="add"``) with the options bound.
 
-    ``form="cast"``: a format torch has as a dtype (float16, bfloat16) without switches rounds by
-    a cast there and back, as the eager kernel does: two ops instead of about twenty, so a graph
-    that rounds at every matmul stays small for inductor (bitwise the same as ``round_bits``
-    but for NaN payloads). Inductor keeps the round trip only under its
-    ``emulate_precision_casts`` (``INDUCTOR_CONFIG``); other formats get ``round_bits``.
+    ``form="cast"``, what inductor gets: a format torch has as a dtype (float16, bfloat16)
+    without switches rounds by a cast there and back, as the eager kernel does: two ops instead
+    of about thirty, so a graph that rounds at every matmul stays small for inductor (bitwise
+    the same as ``round_bits`` but for NaN payloads). Inductor keeps the round trip only under
+    its ``emulate_precision_casts`` (``INDUCTOR_CONFIG``). Other formats get ``round_add``
+    where ``add_form_ok`` (cbfloat16; float16 with switches; about half of ``round_bits``' ops,
+    the same bits), else ``round_bits``.
     """
     f = get_format(fmt)
     if form == "cast" and _native_ok(f, saturate, flush_to_zero):
@@ -485,7 +560,14 @@ def round_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
             return t.to(dtype).to(torch.float32)
 
         return cast
-    impl = round_arith if form == "arith" else round_bits
+    if form == "add" and not _consts(f).add_ok:
+        raise FormatError(_NO_ADD.format(f.name))
+    if form == "arith":
+        impl = round_arith
+    elif form == "add" or (form == "cast" and _consts(f).add_ok):
+        impl = round_add
+    else:
+        impl = round_bits
 
     # make_fx needs a signature of exactly the traced arguments (no defaults)
     def fn(t: torch.Tensor) -> torch.Tensor:
