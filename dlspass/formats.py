@@ -30,11 +30,12 @@ There are three implementations that agree bitwise (NaN payloads aside):
    for it inside an FX graph.
 3. ``round_arith``: float arithmetic only (log2, exp2, round, where) for exporters that have no
    bitcast (ONNX).
-4. ``round_add``: the rounding itself as one float32 add and subtract of a power of two scaled
-   to the value's exponent (about half the ops of ``round_bits``); what inductor compiles for
-   cbfloat16 (and float16 with switches), where the first call's lowering and code generation
-   grow with the ops per rounded value. Only for formats whose range it covers
-   (``add_form_ok``): cbfloat16 and float16, not bfloat16.
+4. ``round_split``: float arithmetic without a bitcast or a division (Veltkamp's split for the
+   format's normals, one add and subtract of a power of two for its subnormals); what inductor
+   compiles for cbfloat16 (and float16 with switches): the first call's lowering, code
+   generation and C++ compile grow with the ops per rounded value, and a bitcast is a dozen
+   lines of C++ per use in inductor's vectorised code. Only for formats whose range it covers
+   (``split_form_ok``): cbfloat16 and float16, not bfloat16.
 """
 
 from __future__ import annotations
@@ -75,13 +76,13 @@ _CHUNK = 32000  # eager chunk: < ATen's 32768 parallel grain, ~500 KiB of buffer
 # Tensors at least this large use a lazily compiled (inductor, one fused loop) bit kernel in
 # eager mode; tests and tiny models never reach it. DLSPASS_ROUNDING_COMPILE=0 turns it off.
 COMPILE_MIN_NUMEL = 1 << 22
-# the plain-op forms of the rounding op: round_bits, round_arith, round_add, and "cast" (for
+# the plain-op forms of the rounding op: round_bits, round_arith, round_split, and "cast" (for
 # inductor: float16 and bfloat16 without switches are a cast there and back, kept by
-# emulate_precision_casts, which otherwise drops the round trip; the other formats round_add
-# where add_form_ok, else round_bits)
-FORMS = ("bits", "arith", "cast", "add")
-_EXP_MASK = 0x7F800000
-_NO_ADD = "round_add cannot round to {!r}: its top binade needs an adder past float32's range"
+# emulate_precision_casts, which otherwise drops the round trip; the other formats round_split
+# where split_form_ok, else round_bits)
+FORMS = ("bits", "arith", "cast", "split")
+_F32_MAX = math.ldexp(2.0 - 2.0**-_F32_MANT, _F32_BIAS)
+_NO_SPLIT = "round_split cannot round to {!r}: its top binade overflows the split's product"
 
 
 # a float format (or rounding form) name that dlspass does not know
@@ -179,11 +180,13 @@ class _Consts:
     min_normal_bits: int
     min_normal: float
     has_subnormal_path: bool  # format subnormals are float32 normals: need a wider shift
-    # round_add: the exponent field of the adder is clamp(exponent, emin, emax + 1) + shift
-    add_ok: bool
-    add_exp_lo: int
-    add_exp_hi: int
+    # round_split's constants: whether it applies, the split's factor 2**shift, the adder
+    # 2**(emin + shift) of the subnormal range, and the largest float32 that does not overflow
+    split_ok: bool
+    split_factor: float
+    sub_adder: float
     max: float
+    last_finite: float
 
 
 _CONSTS: dict[str, _Consts] = {}
@@ -204,14 +207,18 @@ def _consts(fmt: Format) -> _Consts:
             min_normal_bits=_f32_bits(fmt.min_normal),
             min_normal=fmt.min_normal,
             has_subnormal_path=fmt.min_exponent > 1 - _F32_BIAS,
-            # the adder 2**(emax + 1 + shift) must be a finite float32, and a float32 subnormal
-            # input must round to zero (so a CPU that flushes subnormal inputs to zero still
-            # rounds right): emin - mantissa_bits - 1 >= float32's emin
-            add_ok=(emax + 1 + shift <= _F32_BIAS
-                    and fmt.min_exponent - fmt.mantissa_bits - 1 >= 1 - _F32_BIAS),
-            add_exp_lo=(fmt.min_exponent + _F32_BIAS) << _F32_MANT,
-            add_exp_hi=(emax + 1 + _F32_BIAS) << _F32_MANT,
+            # the split's product x * (2**shift + 1) must stay finite below the overflow
+            # threshold (< 2**(emax + 1)), and a float32 subnormal input must round to zero (so
+            # a CPU that flushes subnormal inputs to zero still rounds right)
+            split_ok=(emax + shift + 2 <= _F32_BIAS
+                      and fmt.min_exponent - fmt.mantissa_bits - 1 >= 1 - _F32_BIAS),
+            split_factor=2.0**shift,
+            sub_adder=math.ldexp(1.0, fmt.min_exponent + shift),
             max=fmt.max,
+            # overflow threshold: max plus half its quantum (a tie there rounds up: max's last
+            # bit is odd); the float32 just below it is the largest value that stays finite
+            last_finite=fmt.max + math.ldexp(1.0, emax - fmt.mantissa_bits - 1)
+            - math.ldexp(1.0, emax - _F32_MANT),
         )
         _CONSTS[fmt.name] = c
     return c
@@ -258,52 +265,48 @@ def round_bits(
     return out.view(torch.float32)
 
 
-def add_form_ok(fmt: str | Format) -> bool:
-    """True when ``round_add`` can round to ``fmt`` (cbfloat16, float16; not bfloat16, whose
-    adder for the top binade, 2**144, is not a float32)."""
-    return _consts(get_format(fmt)).add_ok
+def split_form_ok(fmt: str | Format) -> bool:
+    """True when ``round_split`` can round to ``fmt`` (cbfloat16, float16; not bfloat16, whose
+    top binade times 2**16 is past float32's range)."""
+    return _consts(get_format(fmt)).split_ok
 
 
-def round_add(
+def round_split(
     x: torch.Tensor, fmt: str | Format, saturate: bool = False, flush_to_zero: bool = False
 ) -> torch.Tensor:
-    """Round float32 ``x`` to ``fmt`` by adding and subtracting a power of two (about 14 fusable
-    aten ops against ``round_bits``' 30); bit-identical to ``round_bits``, NaNs included.
+    """Round float32 ``x`` to ``fmt`` with float adds, one exact multiply and selects (13 to 17
+    fusable aten ops against ``round_bits``' 33 to 37, no bitcast); bit-identical to
+    ``round_bits``, NaNs included.
 
-    Why it is exact, for ``|x|`` with float32 exponent ``E`` and ``k = max(E, emin)`` (the
-    exponent whose quantum ``2**(k - m)`` the format has there, ``m`` its mantissa bits):
-    ``C = 2**(k + 23 - m)``, so ``|x| + C`` lies in ``[C, 2C)`` (``|x| < 2**(k+1)``, and for
-    ``E < emin`` below ``2**emin``), where float32's spacing is exactly the format's quantum;
-    IEEE's round-to-nearest-even of that add is the format's rounding of ``|x|``, ties included
-    (``C`` has an all-zero mantissa, so the sum's last bit is the result's last bit), and
-    subtracting ``C`` is exact (Sterbenz). ``E`` above ``emax + 1`` is clamped to it: the
-    result is then at least ``2**(emax + 2)`` (rounding is monotone), past ``max`` as it should
-    be, and ``C`` stays finite (``add_form_ok``). The sign is put back on as a bit, so a value
-    that rounds to zero keeps it; NaNs keep their bits. Requires float adds as IEEE says:
-    inductor's ``cpp.enable_unsafe_math_opt_flag`` must stay off (``INDUCTOR_CONFIG`` pins it).
+    ``a = |x|`` and ``s = 23 - mantissa_bits``. Format normals (``a >= min_normal``): Veltkamp's
+    split (Dekker 1971), ``c = a * 2**s + a``, ``hi = c - (c - a)``, keeps ``a``'s leading
+    ``24 - s`` bits rounded to nearest, ties to even (checked on every float32 by
+    tests/test_round_split.py). ``a * 2**s`` is exact, so a fused multiply-add gives the same
+    ``c``, and no product feeds the two subtractions: the result does not depend on
+    floating-point contraction. Format subnormals (``a < min_normal``): ``C = 2**(emin + s)``
+    puts ``a + C`` in ``[C, 2C)``, where float32's spacing is the format's subnormal quantum, so
+    IEEE's round-to-nearest-even of that add is the format's rounding, ties included, and
+    subtracting ``C`` is exact (Sterbenz). Overflow is decided on ``a`` (rounding is monotone:
+    ``a`` past ``last_finite`` rounds past max), so the split's product never needs to be
+    finite there. The sign goes back with ``copysign`` (a value that rounds to zero keeps it)
+    and NaNs are passed through as they came. Needs IEEE adds: g++'s unsafe math optimizations
+    would fold ``c - (c - a)`` to ``a``; ``INDUCTOR_CONFIG`` pins them off.
     """
     _check_input(x)
     f = get_format(fmt)
     c = _consts(f)
-    if not c.add_ok:
-        raise FormatError(_NO_ADD.format(f.name))
-    u = x.view(torch.int32)
-    a = u & _ABS_MASK
-    ax = a.view(torch.float32)
-    # integer clamp and add: never overflows (the result is at most 0x7F000000 for the formats
-    # add_form_ok accepts), and inf/NaN inputs get the largest adder, a finite one
-    adder = (torch.clamp(a & _EXP_MASK, c.add_exp_lo, c.add_exp_hi) + (c.shift << _F32_MANT))
-    adder = adder.view(torch.float32)
-    r = (ax + adder) - adder
-    if saturate:
-        # `>` on the int32 bits (inductor's AVX2 where-mask bug hits `>=`, `<=`, `!=`: round_bits)
-        r = torch.where(a > _INF_BITS - 1, ax, torch.clamp(r, max=c.max))
+    if not c.split_ok:
+        raise FormatError(_NO_SPLIT.format(f.name))
+    a = torch.abs(x)
+    big = a * c.split_factor + a
+    r = torch.where(a < c.min_normal, (a + c.sub_adder) - c.sub_adder, big - (big - a))
+    if saturate:  # finite values past max become max; inf stays inf
+        r = torch.where(a > c.last_finite, torch.where(a > _F32_MAX, math.inf, c.max), r)
     else:
-        r = torch.where(r > c.max, math.inf, r)
+        r = torch.where(a > c.last_finite, math.inf, r)
     if flush_to_zero:
         r = torch.where(r < c.min_normal, 0.0, r)
-    out = torch.where(a > _INF_BITS, u, r.view(torch.int32) | (u & _SIGN_MASK))
-    return out.view(torch.float32)
+    return torch.where(torch.isnan(x), x, torch.copysign(r, x))
 
 
 def round_arith(
@@ -535,22 +538,22 @@ def round_node_args(node: fx.Node) -> tuple[fx.Node, str, bool, bool]:
 
 # What inductor must be told when it compiles a graph with the "cast" form: without the first,
 # its C++ codegen treats a float32 -> float16 -> float32 round trip as a no-op (pytorch#115260's
-# cache); the second keeps g++ from folding round_add's (x + C) - C back to x (it is off by
+# cache); the second keeps g++ from folding round_split's c - (c - a) back to a (it is off by
 # default, TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1 turns it on).
 INDUCTOR_CONFIG = {"emulate_precision_casts": True, "cpp.enable_unsafe_math_opt_flag": False}
 
 
 def round_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
-    """``x -> round_bits(x, ...)`` (``round_arith`` for ``form="arith"``, ``round_add`` for
-    ``form="add"``) with the options bound.
+    """``x -> round_bits(x, ...)`` (``round_arith`` for ``form="arith"``, ``round_split`` for
+    ``form="split"``) with the options bound.
 
     ``form="cast"``, what inductor gets: a format torch has as a dtype (float16, bfloat16)
     without switches rounds by a cast there and back, as the eager kernel does: two ops instead
     of about thirty, so a graph that rounds at every matmul stays small for inductor (bitwise
     the same as ``round_bits`` but for NaN payloads). Inductor keeps the round trip only under
-    its ``emulate_precision_casts`` (``INDUCTOR_CONFIG``). Other formats get ``round_add``
-    where ``add_form_ok`` (cbfloat16; float16 with switches; about half of ``round_bits``' ops,
-    the same bits), else ``round_bits``.
+    its ``emulate_precision_casts`` (``INDUCTOR_CONFIG``). Other formats get ``round_split``
+    where ``split_form_ok`` (cbfloat16; float16 with switches; less than half of
+    ``round_bits``' ops and no bitcast, the same bits), else ``round_bits``.
     """
     f = get_format(fmt)
     if form == "cast" and _native_ok(f, saturate, flush_to_zero):
@@ -560,12 +563,12 @@ def round_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
             return t.to(dtype).to(torch.float32)
 
         return cast
-    if form == "add" and not _consts(f).add_ok:
-        raise FormatError(_NO_ADD.format(f.name))
+    if form == "split" and not _consts(f).split_ok:
+        raise FormatError(_NO_SPLIT.format(f.name))
     if form == "arith":
         impl = round_arith
-    elif form == "add" or (form == "cast" and _consts(f).add_ok):
-        impl = round_add
+    elif form == "split" or (form == "cast" and _consts(f).split_ok):
+        impl = round_split
     else:
         impl = round_bits
 

@@ -21,7 +21,7 @@ IMPLS = {
     "op": lambda x, f, s=False, z=False: F.round_to_format(x, f, saturate=s, flush_to_zero=z),
     "bits": F.round_bits,
     "arith": F.round_arith,
-    "add": F.round_add,  # cbfloat16 and float16 only (F.add_form_ok); tests/test_round_add.py
+    "split": F.round_split,  # cbfloat16 and float16 only (F.split_form_ok); tests/test_round_split.py
 }
 SWITCHES = [(False, False), (True, False), (False, True), (True, True)]
 FORMAT_PARAMS = {"float16": (5, 10), "bfloat16": (8, 7), "cbfloat16": (6, 9)}
@@ -186,9 +186,9 @@ def test_spec_corner_cases(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", list(FORMAT_PARAMS))
 def test_random_against_float64_reference(impl, name, random_f32):
-    if impl == "add" and not F.add_form_ok(name):
+    if impl == "split" and not F.split_form_ok(name):
         with pytest.raises(F.FormatError, match=name):
-            F.round_add(random_f32, name)
+            F.round_split(random_f32, name)
         return
     for s, z in SWITCHES:
         assert_same(IMPLS[impl](random_f32, name, s, z), reference(random_f32, name, s, z))
@@ -197,8 +197,8 @@ def test_random_against_float64_reference(impl, name, random_f32):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
 def test_native_formats_match_casts(impl, name, random_f32):
-    if impl == "add" and not F.add_form_ok(name):
-        pytest.skip(f"round_add does not round to {name} (test_random_against_float64_reference)")
+    if impl == "split" and not F.split_form_ok(name):
+        pytest.skip(f"round_split does not round to {name} (test_random_against_float64_reference)")
     dtype = F.get_format(name).torch_dtype
     assert_same(IMPLS[impl](random_f32, name), random_f32.to(dtype).float())
     # and every native encoding is a fixed point
@@ -222,7 +222,7 @@ def test_saturate_and_flush(impl):
     tiny16 = torch.tensor([2.0**-20, -(2.0**-24)])
     assert_same(f(tiny16, "float16", False, True), torch.tensor([0.0, -0.0]))
     # bfloat16 flush: fp32 subnormals are below its min normal too
-    if impl != "add":  # round_add does not round to bfloat16
+    if impl != "split":  # round_split does not round to bfloat16
         assert_same(f(torch.tensor([1e-40, 2.0**-126]), "bfloat16", False, True), torch.tensor([0.0, 2.0**-126]))
 
 
