@@ -15,7 +15,7 @@ Semantics of ``round_to_format(x, fmt, saturate=False, flush_to_zero=False)``:
   the minimum normal that rounds up to it is kept);
 - -0.0 stays -0.0; NaN payloads are not specified (the bit form keeps the input's bits).
 
-There are three implementations that agree bitwise (NaN payloads aside):
+There are four implementations that agree bitwise (NaN payloads aside):
 
 1. ``round_to_format``: the ``dlspass::round_to_format`` custom op (traceable, shows by name in
    FX graphs, straight-through gradient). Its eager kernel uses native casts for float16 and
@@ -30,12 +30,9 @@ There are three implementations that agree bitwise (NaN payloads aside):
    for it inside an FX graph.
 3. ``round_arith``: float arithmetic only (log2, exp2, round, where) for exporters that have no
    bitcast (ONNX).
-4. ``round_split``: float arithmetic without a bitcast or a division (Veltkamp's split for the
-   format's normals, one add and subtract of a power of two for its subnormals); what inductor
-   compiles for cbfloat16 (and float16 with switches): the first call's lowering, code
-   generation and C++ compile grow with the ops per rounded value, and a bitcast is a dozen
-   lines of C++ per use in inductor's vectorised code. Only for formats whose range it covers
-   (``split_form_ok``): cbfloat16 and float16, not bfloat16.
+4. ``round_split``: 15 float ops, no bitcast (41 ops with 4 for ``round_bits``); what inductor
+   compiles for cbfloat16 and float16 with switches (``split_form_ok``), whose first call grows
+   with the ops per rounding (docs/COMPILE_TIME.md, "Emulated cbfloat16", has the proof).
 """
 
 from __future__ import annotations
@@ -53,19 +50,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from dlspass.errors import InputTypeError, InputValueError
 from dlspass.precision_policy import NATIVE_DTYPES
 
-__all__ = [
-    "BFLOAT16",
-    "CBFLOAT16",
-    "FLOAT16",
-    "FORMATS",
-    "Format",
-    "FormatError",
-    "FormatTypeError",
-    "get_format",
-    "round_arith",
-    "round_bits",
-    "round_to_format",
-]
+__all__ = ["BFLOAT16", "CBFLOAT16", "FLOAT16", "FORMATS", "Format", "FormatError", "FormatTypeError",
+           "get_format", "round_arith", "round_bits", "round_to_format"]
 
 _F32_MANT = 23
 _F32_BIAS = 127
@@ -76,13 +62,10 @@ _CHUNK = 32000  # eager chunk: < ATen's 32768 parallel grain, ~500 KiB of buffer
 # Tensors at least this large use a lazily compiled (inductor, one fused loop) bit kernel in
 # eager mode; tests and tiny models never reach it. DLSPASS_ROUNDING_COMPILE=0 turns it off.
 COMPILE_MIN_NUMEL = 1 << 22
-# the plain-op forms of the rounding op: round_bits, round_arith, round_split, and "cast" (for
-# inductor: float16 and bfloat16 without switches are a cast there and back, kept by
-# emulate_precision_casts, which otherwise drops the round trip; the other formats round_split
-# where split_form_ok, else round_bits)
+# the rounding op's plain-op forms: round_bits, round_arith, round_split, and "cast" for inductor
+# (round_fn: a cast round trip for float16/bfloat16 without switches, else round_split or bits)
 FORMS = ("bits", "arith", "cast", "split")
 _F32_MAX = math.ldexp(2.0 - 2.0**-_F32_MANT, _F32_BIAS)
-_NO_SPLIT = "round_split cannot round to {!r}: its top binade overflows the split's product"
 
 
 # a float format (or rounding form) name that dlspass does not know
@@ -180,13 +163,6 @@ class _Consts:
     min_normal_bits: int
     min_normal: float
     has_subnormal_path: bool  # format subnormals are float32 normals: need a wider shift
-    # round_split's constants: whether it applies, the split's factor 2**shift, the adder
-    # 2**(emin + shift) of the subnormal range, and the largest float32 that does not overflow
-    split_ok: bool
-    split_factor: float
-    sub_adder: float
-    max: float
-    last_finite: float
 
 
 _CONSTS: dict[str, _Consts] = {}
@@ -198,7 +174,6 @@ def _consts(fmt: Format) -> _Consts:
         if fmt.exponent_bits > 8 or fmt.mantissa_bits > _F32_MANT:
             raise FormatError(f"format {fmt.name!r} does not fit in float32")
         shift = _F32_MANT - fmt.mantissa_bits
-        emax = 2**fmt.exponent_bits - 2 - fmt.bias
         c = _Consts(
             shift=shift,
             round_bias=(1 << (shift - 1)) - 1 if shift else 0,
@@ -207,18 +182,6 @@ def _consts(fmt: Format) -> _Consts:
             min_normal_bits=_f32_bits(fmt.min_normal),
             min_normal=fmt.min_normal,
             has_subnormal_path=fmt.min_exponent > 1 - _F32_BIAS,
-            # the split's product x * (2**shift + 1) must stay finite below the overflow
-            # threshold (< 2**(emax + 1)), and a float32 subnormal input must round to zero (so
-            # a CPU that flushes subnormal inputs to zero still rounds right)
-            split_ok=(emax + shift + 2 <= _F32_BIAS
-                      and fmt.min_exponent - fmt.mantissa_bits - 1 >= 1 - _F32_BIAS),
-            split_factor=2.0**shift,
-            sub_adder=math.ldexp(1.0, fmt.min_exponent + shift),
-            max=fmt.max,
-            # overflow threshold: max plus half its quantum (a tie there rounds up: max's last
-            # bit is odd); the float32 just below it is the largest value that stays finite
-            last_finite=fmt.max + math.ldexp(1.0, emax - fmt.mantissa_bits - 1)
-            - math.ldexp(1.0, emax - _F32_MANT),
         )
         _CONSTS[fmt.name] = c
     return c
@@ -228,9 +191,8 @@ for _f in FORMATS.values():  # precomputed so traced code only does a dict looku
     _consts(_f)
 
 
-def round_bits(
-    x: torch.Tensor, fmt: str | Format, saturate: bool = False, flush_to_zero: bool = False
-) -> torch.Tensor:
+def round_bits(x: torch.Tensor, fmt: str | Format, saturate: bool = False,
+               flush_to_zero: bool = False) -> torch.Tensor:
     """Round float32 ``x`` to ``fmt`` with int32 bit arithmetic (plain aten ops, fusable).
 
     Same semantics as ``round_to_format``; NaN inputs come back with their bits unchanged.
@@ -265,53 +227,48 @@ def round_bits(
     return out.view(torch.float32)
 
 
+def _split_consts(f: Format) -> tuple[float, float, float] | None:
+    """``round_split``'s 2**s, 2**(emin + s) and largest non-overflowing float32; None where
+    x * (2**s + 1) can overflow below max or a float32 subnormal would not round to zero."""
+    s, emax = _F32_MANT - f.mantissa_bits, 2**f.exponent_bits - 2 - f.bias
+    if emax + s + 2 > _F32_BIAS or f.min_exponent - f.mantissa_bits - 1 < 1 - _F32_BIAS:
+        return None
+    # overflow from max + half its quantum on (max ends in a 1 bit: that tie rounds up)
+    last = f.max + math.ldexp(1.0, emax - f.mantissa_bits - 1) - math.ldexp(1.0, emax - _F32_MANT)
+    return 2.0**s, math.ldexp(1.0, f.min_exponent + s), last
+
+
 def split_form_ok(fmt: str | Format) -> bool:
-    """True when ``round_split`` can round to ``fmt`` (cbfloat16, float16; not bfloat16, whose
-    top binade times 2**16 is past float32's range)."""
-    return _consts(get_format(fmt)).split_ok
+    """True when ``round_split`` can round to ``fmt``: cbfloat16, float16; not bfloat16."""
+    return _split_consts(get_format(fmt)) is not None
 
 
-def round_split(
-    x: torch.Tensor, fmt: str | Format, saturate: bool = False, flush_to_zero: bool = False
-) -> torch.Tensor:
-    """Round float32 ``x`` to ``fmt`` with float adds, one exact multiply and selects (13 to 17
-    fusable aten ops against ``round_bits``' 33 to 37, no bitcast); bit-identical to
-    ``round_bits``, NaNs included.
-
-    ``a = |x|`` and ``s = 23 - mantissa_bits``. Format normals (``a >= min_normal``): Veltkamp's
-    split (Dekker 1971), ``c = a * 2**s + a``, ``hi = c - (c - a)``, keeps ``a``'s leading
-    ``24 - s`` bits rounded to nearest, ties to even (checked on every float32 by
-    tests/test_round_split.py). ``a * 2**s`` is exact, so a fused multiply-add gives the same
-    ``c``, and no product feeds the two subtractions: the result does not depend on
-    floating-point contraction. Format subnormals (``a < min_normal``): ``C = 2**(emin + s)``
-    puts ``a + C`` in ``[C, 2C)``, where float32's spacing is the format's subnormal quantum, so
-    IEEE's round-to-nearest-even of that add is the format's rounding, ties included, and
-    subtracting ``C`` is exact (Sterbenz). Overflow is decided on ``a`` (rounding is monotone:
-    ``a`` past ``last_finite`` rounds past max), so the split's product never needs to be
-    finite there. The sign goes back with ``copysign`` (a value that rounds to zero keeps it)
-    and NaNs are passed through as they came. Needs IEEE adds: g++'s unsafe math optimizations
-    would fold ``c - (c - a)`` to ``a``; ``INDUCTOR_CONFIG`` pins them off.
-    """
+def round_split(x: torch.Tensor, fmt: str | Format, saturate: bool = False,
+                flush_to_zero: bool = False) -> torch.Tensor:
+    """Round float32 ``x`` to ``fmt`` with float ops only: Veltkamp's split ``c = a * 2**s + a``,
+    ``c - (c - a)`` for the format's normals (``a = |x|``, ``s = 23 - mantissa_bits``), ``(a + C)
+    - C`` with ``C = 2**(emin + s)`` for its subnormals. Bit-identical to ``round_bits`` on every
+    float32 (tests/test_round_split.py; why: docs/COMPILE_TIME.md, "Emulated cbfloat16"). g++'s
+    unsafe math would fold ``c - (c - a)`` to ``a``: compile it under ``INDUCTOR_CONFIG``."""
     _check_input(x)
     f = get_format(fmt)
-    c = _consts(f)
-    if not c.split_ok:
-        raise FormatError(_NO_SPLIT.format(f.name))
+    if (consts := _split_consts(f)) is None:
+        raise FormatError(f"round_split cannot round to {f.name!r}: its top binade overflows")
+    factor, sub_adder, last_finite = consts
     a = torch.abs(x)
-    big = a * c.split_factor + a
-    r = torch.where(a < c.min_normal, (a + c.sub_adder) - c.sub_adder, big - (big - a))
+    c = a * factor + a  # the product is exact: a fused multiply-add gives the same c
+    r = torch.where(a < f.min_normal, (a + sub_adder) - sub_adder, c - (c - a))
     if saturate:  # finite values past max become max; inf stays inf
-        r = torch.where(a > c.last_finite, torch.where(a > _F32_MAX, math.inf, c.max), r)
+        r = torch.where(a > last_finite, torch.where(a > _F32_MAX, math.inf, f.max), r)
     else:
-        r = torch.where(a > c.last_finite, math.inf, r)
+        r = torch.where(a > last_finite, math.inf, r)
     if flush_to_zero:
-        r = torch.where(r < c.min_normal, 0.0, r)
+        r = torch.where(r < f.min_normal, 0.0, r)
     return torch.where(torch.isnan(x), x, torch.copysign(r, x))
 
 
-def round_arith(
-    x: torch.Tensor, fmt: str | Format, saturate: bool = False, flush_to_zero: bool = False
-) -> torch.Tensor:
+def round_arith(x: torch.Tensor, fmt: str | Format, saturate: bool = False,
+                flush_to_zero: bool = False) -> torch.Tensor:
     """Round float32 ``x`` to ``fmt`` with float arithmetic only (no bitcast; ONNX-exportable).
 
     Exact for every float32 input: the exponent from ``log2`` is corrected against ``exp2`` of
@@ -440,16 +397,8 @@ def _round_flat(x: torch.Tensor, y: torch.Tensor, f: Format, saturate: bool, flu
                      c, saturate, flush_to_zero)
 
 
-def _round_chunk(
-    u: torch.Tensor,
-    o: torch.Tensor,
-    a: torch.Tensor,
-    m: torch.Tensor,
-    nan: torch.Tensor,
-    c: _Consts,
-    saturate: bool,
-    flush_to_zero: bool,
-) -> None:
+def _round_chunk(u: torch.Tensor, o: torch.Tensor, a: torch.Tensor, m: torch.Tensor, nan: torch.Tensor,
+                 c: _Consts, saturate: bool, flush_to_zero: bool) -> None:
     """In-place version of ``round_bits`` on int32 views (``u`` in, ``o`` out, rest scratch)."""
     torch.bitwise_and(u, _ABS_MASK, out=a)
     torch.gt(a, _INF_BITS, out=nan)
@@ -538,22 +487,18 @@ def round_node_args(node: fx.Node) -> tuple[fx.Node, str, bool, bool]:
 
 # What inductor must be told when it compiles a graph with the "cast" form: without the first,
 # its C++ codegen treats a float32 -> float16 -> float32 round trip as a no-op (pytorch#115260's
-# cache); the second keeps g++ from folding round_split's c - (c - a) back to a (it is off by
-# default, TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1 turns it on).
+# cache); the second keeps g++ from folding round_split back to x (an environment can set it).
 INDUCTOR_CONFIG = {"emulate_precision_casts": True, "cpp.enable_unsafe_math_opt_flag": False}
 
 
 def round_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
-    """``x -> round_bits(x, ...)`` (``round_arith`` for ``form="arith"``, ``round_split`` for
-    ``form="split"``) with the options bound.
+    """``x -> round_bits(x, ...)`` (``round_arith``/``round_split`` for ``form="arith"``/``"split"``)
+    with the options bound.
 
-    ``form="cast"``, what inductor gets: a format torch has as a dtype (float16, bfloat16)
-    without switches rounds by a cast there and back, as the eager kernel does: two ops instead
-    of about thirty, so a graph that rounds at every matmul stays small for inductor (bitwise
-    the same as ``round_bits`` but for NaN payloads). Inductor keeps the round trip only under
-    its ``emulate_precision_casts`` (``INDUCTOR_CONFIG``). Other formats get ``round_split``
-    where ``split_form_ok`` (cbfloat16; float16 with switches; less than half of
-    ``round_bits``' ops and no bitcast, the same bits), else ``round_bits``.
+    ``form="cast"``: a format torch has as a dtype (float16, bfloat16) without switches rounds by
+    a cast there and back, as the eager kernel does (two ops, bitwise ``round_bits`` but for NaN
+    payloads; inductor keeps the round trip only under ``INDUCTOR_CONFIG``); other formats get
+    ``round_split`` where ``split_form_ok`` (15 ops, the same bits), else ``round_bits``.
     """
     f = get_format(fmt)
     if form == "cast" and _native_ok(f, saturate, flush_to_zero):
@@ -563,14 +508,10 @@ def round_fn(fmt: str, saturate: bool, flush_to_zero: bool, form: str = "bits"):
             return t.to(dtype).to(torch.float32)
 
         return cast
-    if form == "split" and not _consts(f).split_ok:
-        raise FormatError(_NO_SPLIT.format(f.name))
-    if form == "arith":
-        impl = round_arith
-    elif form == "split" or (form == "cast" and _consts(f).split_ok):
-        impl = round_split
-    else:
-        impl = round_bits
+    split = _split_consts(f) is not None
+    if form == "split" and not split:
+        raise FormatError(f"round_split cannot round to {f.name!r}: its top binade overflows")
+    impl = round_arith if form == "arith" else round_split if split and form != "bits" else round_bits
 
     # make_fx needs a signature of exactly the traced arguments (no defaults)
     def fn(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""DecomposeRoundingPass: each ``dlspass::round_to_format`` node becomes the plain aten ops of ``round_bits`` (or ``round_arith``), traced on its input's fake value."""
+"""DecomposeRoundingPass: each ``dlspass::round_to_format`` node becomes the plain aten ops of ``round_bits`` (or ``round_arith``, ``round_split``, a cast round trip), traced on its input's fake value."""
 
 from __future__ import annotations
 
@@ -18,15 +18,17 @@ from dlspass.passes.base import GraphPass, GraphPassResult
 
 class DecomposeRoundingPass(GraphPass):
     """Swap the rounding custom op for traced aten ops (``form``: "bits" fuses in inductor,
-    "arith" has no bit-casts, for ONNX).
+    "arith" has no bit-casts, for ONNX; "split" is ``round_split``, for cbfloat16 and float16).
 
     Each replacement is traced with ``make_fx`` on the input's fake value (so the new nodes
     carry valid ``meta["val"]``) under ``decompositions`` (inductor's table, for a graph that
     goes to ``compile_fx_inner`` as it is) and grafted where the op was. The last new node keeps
     the op's ``meta["custom"]`` plus ``dlspass_rounded`` (the rounding stays recognisable after
     ``torch.export.save``; `rounded_format` reads it); every new node gets the op's provenance.
-    ``form="cast"`` is ``"bits"`` except that float16 and bfloat16 without switches become a cast
-    there and back (``formats.round_fn``). ``stats["replaced"]`` counts the ops replaced.
+    ``form="cast"``, what inductor gets: float16 and bfloat16 without switches become a cast
+    there and back, cbfloat16 and float16 with switches ``round_split`` (15 float ops, no
+    bitcast), bfloat16 with switches ``round_bits`` (``formats.round_fn``); compile it under
+    ``formats.INDUCTOR_CONFIG``. ``stats["replaced"]`` counts the ops replaced.
     """
 
     name = "decompose_rounding"

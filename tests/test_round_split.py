@@ -126,8 +126,7 @@ def test_cast_form_rounds_cbfloat16_with_round_split():
 
 
 _COMPILED_SCRIPT = """
-import sys, torch
-sys.path.insert(0, {tests!r})
+import torch
 from torch._inductor import config as inductor_config
 from dlspass import formats as F
 from test_round_split import SWITCHES, SPLIT_FORMATS, cbfloat16_midpoints, every_exponent_sample
@@ -152,12 +151,12 @@ def test_compiled_bit_identical_to_round_bits_under_each_vector_isa(isa, tmp_pat
     optimizations by the environment, as a user could: INDUCTOR_CONFIG, which dlspass's compile
     paths apply, must switch them back off (with them, (x + C) - C may fold to x). Each run gets
     its own inductor cache (a kernel compiled under one ISA is not a test of another)."""
+    path = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "ATEN_CPU_CAPABILITY": isa, "OMP_NUM_THREADS": "1",
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": path,
            "TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG": "1"}
-    script = _COMPILED_SCRIPT.format(tests=os.path.dirname(__file__))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=900)
+    out = subprocess.run([sys.executable, "-c", _COMPILED_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     capability, bad = out.stdout.strip().splitlines()[-1].split(" ", 1)
     if capability.lower() != isa:
