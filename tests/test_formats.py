@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -427,18 +428,25 @@ print(torch.backends.cpu.get_cpu_capability(), bad)
 """
 
 
+def run_under_isa(script: str, isa: str, cache_dir: Path, **env: str) -> str:
+    """Run ``script`` in a new process under ``ATEN_CPU_CAPABILITY=isa``, one thread, its own
+    inductor cache (a kernel compiled under one ISA is not a test of another) and ``env``; the
+    text after the capability on its last line. Skips when the CPU does not run ``isa``."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
+           "OMP_NUM_THREADS": "1", **env}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    capability, rest = out.stdout.strip().splitlines()[-1].split(" ", 1)
+    if capability.lower() != isa:
+        pytest.skip(f"this CPU runs {capability}, not {isa}")
+    return rest
+
+
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_compiled_round_bits_equals_eager_under_each_vector_isa(isa, tmp_path):
     """round_bits compiled by inductor under a vector ISA equals its eager run bit for bit (the
     same int32 ops). Under AVX2, inductor's vectorised integer `>=` inside a `where` picked the
-    wrong branch, so every saturated value came back inf; each run gets its own inductor cache
-    (a kernel compiled under one ISA is not a test of another)."""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa,
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    capability, bad = out.stdout.strip().splitlines()[-1].split(" ", 1)
-    if capability.lower() != isa:
-        pytest.skip(f"this CPU runs {capability}, not {isa}")
+    wrong branch, so every saturated value came back inf."""
+    bad = run_under_isa(_ISA_SCRIPT, isa, tmp_path / "inductor")
     assert bad == "[]", bad

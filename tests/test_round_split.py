@@ -11,12 +11,11 @@ float32 bit patterns (tools/bench/RESULTS.md records its run).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from test_formats import run_under_isa
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -149,18 +148,10 @@ def test_compiled_bit_identical_to_round_bits_under_each_vector_isa(isa, tmp_pat
     """Inductor's C++ for round_split, under each vector ISA, rounds the sample bit-identically to
     eager round_bits for both formats and every switch. The run enables g++'s unsafe math
     optimizations by the environment, as a user could: INDUCTOR_CONFIG, which dlspass's compile
-    paths apply, must switch them back off (with them, (x + C) - C may fold to x). Each run gets
-    its own inductor cache (a kernel compiled under one ISA is not a test of another)."""
+    paths apply, must switch them back off (with them, c - (c - a) may fold to a)."""
     path = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa, "OMP_NUM_THREADS": "1",
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": path,
-           "TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG": "1"}
-    out = subprocess.run([sys.executable, "-c", _COMPILED_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
-    capability, bad = out.stdout.strip().splitlines()[-1].split(" ", 1)
-    if capability.lower() != isa:
-        pytest.skip(f"this CPU runs {capability}, not {isa}")
+    bad = run_under_isa(_COMPILED_SCRIPT, isa, tmp_path / "inductor", PYTHONPATH=path,
+                        TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG="1")
     assert bad == "[0, 0, 0, 0, 0, 0, 0, 0]", bad
 
 
