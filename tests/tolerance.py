@@ -14,6 +14,8 @@ Two cases, and a test says in a comment which one it is in:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -47,6 +49,17 @@ def assert_close_reordered(actual: torch.Tensor, expected: torch.Tensor, n: int,
         magnitude = expected.detach().abs().max().item() if expected.numel() else 0.0
     atol = reordered_sum_atol(n, magnitude, expected.dtype)
     torch.testing.assert_close(actual, expected, rtol=0.0, atol=atol)
+
+
+def mlp_grad_sums(widths: Sequence[int], batch: int, forward: bool = True) -> int:
+    """The longest chain of sums behind a gradient of an MLP of Linear layers ``widths[0] ->
+    widths[1] -> ... -> widths[-1]`` trained on ``batch`` rows (the first layer's weight
+    gradient's): back through every later layer (each input gradient sums over that layer's
+    outputs, ``widths[2:]``), then over the batch; with ``forward``, also the forward's sums
+    (each layer over its inputs, ``widths[:-1]``), for when the two sides compute the forward
+    by other kernels too (the loss gradient is a function of the output). Elementwise steps
+    (activations, an MSE's backward) add no sums. The ``n`` of :func:`reordered_sum_atol`."""
+    return (sum(widths[:-1]) if forward else 0) + sum(widths[2:]) + batch
 
 
 def sgd_update_atol(grad_atol: float, lr: float, param_magnitude: float,
