@@ -14,7 +14,8 @@ Two cases, and a test says in a comment which one it is in:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -60,6 +61,61 @@ def mlp_grad_sums(widths: Sequence[int], batch: int, forward: bool = True) -> in
     by other kernels too (the loss gradient is a function of the output). Elementwise steps
     (activations, an MSE's backward) add no sums. The ``n`` of :func:`reordered_sum_atol`."""
     return (sum(widths[:-1]) if forward else 0) + sum(widths[2:]) + batch
+
+
+def grad_term_sums(model: torch.nn.Module,
+                   loss_fn: Callable[[torch.nn.Module], torch.Tensor]) -> dict[str, float]:
+    """Per parameter of ``model``, the S of :func:`reordered_sum_atol` for its gradient's last
+    sum: the largest, over the gradient's elements, sum of the magnitudes of the terms that sum
+    adds up (|grad_output| times |input| over the batch and positions for Linear and Conv2d
+    weights, |grad_output| times |x_hat| for BatchNorm2d/LayerNorm weights, |grad_output| for
+    biases), from one eager forward and backward of ``loss_fn(copy)`` on a copy of ``model``
+    (``loss_fn`` calls it once; a magnitude, so float32 rounding in it does not matter). Unlike a gradient's own magnitude this holds where the terms cancel (a
+    BatchNorm weight's gradient sums grad_output * x_hat, whose signs mix by construction, and
+    the gradient of a bias before a BatchNorm is zero up to rounding)."""
+    import copy
+
+    m = copy.deepcopy(model)  # hooks and BatchNorm's running statistics stay off the original
+    inputs: dict[torch.nn.Module, torch.Tensor] = {}
+    out: dict[str, float] = {}
+
+    def fwd(mod: torch.nn.Module, args: tuple, _res: object) -> None:
+        inputs[mod] = args[0].detach()
+
+    def bwd(mod: torch.nn.Module, _gin: object, gout: tuple, name: str = "") -> None:
+        x, g = inputs[mod].abs(), gout[0].detach().abs()
+        if isinstance(mod, torch.nn.Linear):
+            w = g.flatten(0, -2).t() @ x.flatten(0, -2)
+            b = g.flatten(0, -2).sum(0)
+        elif isinstance(mod, torch.nn.Conv2d):
+            w = torch.nn.grad.conv2d_weight(x, mod.weight.shape, g, mod.stride, mod.padding,
+                                            mod.dilation, mod.groups)
+            b = g.sum((0, 2, 3))
+        elif isinstance(mod, torch.nn.BatchNorm2d):
+            xi = inputs[mod]
+            mean, var = xi.mean((0, 2, 3), keepdim=True), xi.var((0, 2, 3), unbiased=False, keepdim=True)
+            w = (g * ((xi - mean) / (var + mod.eps).sqrt()).abs()).sum((0, 2, 3))
+            b = g.sum((0, 2, 3))
+        elif isinstance(mod, torch.nn.LayerNorm):
+            xi = inputs[mod]
+            dims = tuple(range(-len(mod.normalized_shape), 0))
+            mean, var = xi.mean(dims, keepdim=True), xi.var(dims, unbiased=False, keepdim=True)
+            lead = xi.dim() - len(dims)
+            w = (g * ((xi - mean) / (var + mod.eps).sqrt()).abs()).flatten(0, lead - 1).sum(0)
+            b = g.flatten(0, lead - 1).sum(0)
+        else:
+            raise TypeError(f"grad_term_sums: no rule for {type(mod).__name__} ({name})")
+        out[f"{name}.weight" if name else "weight"] = float(w.max())
+        out[f"{name}.bias" if name else "bias"] = float(b.max())
+
+    for name, mod in m.named_modules():
+        if list(mod.parameters(recurse=False)):
+            mod.register_forward_hook(fwd)
+            mod.register_full_backward_hook(lambda mod, gi, go, name=name: bwd(mod, gi, go, name))
+    with warnings.catch_warnings():  # a first layer's hook fires without input gradients: fine
+        warnings.simplefilter("ignore", UserWarning)
+        loss_fn(m).backward()
+    return {k: out[k] for k, _ in m.named_parameters()}
 
 
 def sgd_update_atol(grad_atol: float, lr: float, param_magnitude: float,
