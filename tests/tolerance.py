@@ -14,6 +14,7 @@ Two cases, and a test says in a comment which one it is in:
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -69,7 +70,7 @@ def grad_term_sums(model: torch.nn.Module,
     sum: the largest, over the gradient's elements, sum of the magnitudes of the terms that sum
     adds up (|grad_output| times |input| over the batch and positions for Linear and Conv2d
     weights, |grad_output| times |x_hat| for BatchNorm2d/LayerNorm weights, |grad_output| for
-    biases), from one eager forward and backward of ``loss_fn(copy)`` on a copy of ``model``
+    biases and, over a row's tokens, Embedding rows), from one eager forward and backward of ``loss_fn(copy)`` on a copy of ``model``
     (``loss_fn`` calls it once; a magnitude, so float32 rounding in it does not matter). Unlike a gradient's own magnitude this holds where the terms cancel (a
     BatchNorm weight's gradient sums grad_output * x_hat, whose signs mix by construction, and
     the gradient of a bias before a BatchNorm is zero up to rounding)."""
@@ -103,10 +104,15 @@ def grad_term_sums(model: torch.nn.Module,
             lead = xi.dim() - len(dims)
             w = (g * ((xi - mean) / (var + mod.eps).sqrt()).abs()).flatten(0, lead - 1).sum(0)
             b = g.flatten(0, lead - 1).sum(0)
+        elif isinstance(mod, torch.nn.Embedding):  # each row sums |grad_output| over its tokens
+            ids = inputs[mod].flatten()
+            w = torch.zeros_like(mod.weight).index_add_(0, ids, g.flatten(0, -2))
+            b = None
         else:
             raise TypeError(f"grad_term_sums: no rule for {type(mod).__name__} ({name})")
         out[f"{name}.weight" if name else "weight"] = float(w.max())
-        out[f"{name}.bias" if name else "bias"] = float(b.max())
+        if b is not None:
+            out[f"{name}.bias" if name else "bias"] = float(b.max())
 
     for name, mod in m.named_modules():
         if list(mod.parameters(recurse=False)):
@@ -118,6 +124,23 @@ def grad_term_sums(model: torch.nn.Module,
     return {k: out[k] for k, _ in m.named_parameters()}
 
 
+def smallcnn_grad_sums(width: int, n_classes: int, batch: int, hw: int, in_ch: int = 1,
+                       forward: bool = False) -> int:
+    """The longest chain of sums behind a ``dlspass.models.SmallCNN`` gradient (conv1's weight)
+    on ``batch`` images of ``in_ch`` x ``hw`` x ``hw``: back through the head (``n_classes``),
+    BatchNorm2's two batch sums (over the pooled positions), conv2's input gradient (its 2
+    ``width`` channels x 9 taps), BatchNorm1's two sums (over the full positions), then conv1's
+    weight gradient over those positions. With ``forward`` (the two sides compute the forward
+    by other kernels too), also the forward's: conv1 (``in_ch`` x 9 taps), BatchNorm1's mean
+    and variance, conv2 (``width`` x 9), BatchNorm2's, the spatial mean, the head (2 ``width``)
+    and the cross-entropy's log-sum-exp (``n_classes`` + 2 for exp and log). The ``n`` of
+    :func:`reordered_sum_atol`."""
+    full, pooled = batch * hw * hw, batch * (hw // 2) ** 2
+    fwd = (in_ch * 9 + 2 * full + width * 9 + 2 * pooled + (hw // 2) ** 2 + 2 * width + n_classes + 2
+           if forward else 0)
+    return fwd + n_classes + 2 * pooled + 2 * width * 9 + 2 * full + full
+
+
 def sgd_update_atol(grad_atol: float, lr: float, param_magnitude: float,
                     dtype: torch.dtype = torch.float32) -> float:
     """How far apart two SGD(-momentum) updates ``p - lr * (mu * m + g)`` can be whose gradients
@@ -126,6 +149,85 @@ def sgd_update_atol(grad_atol: float, lr: float, param_magnitude: float,
     another order or fused: at most four roundings of u = eps/2 each, relative to values no
     larger than the parameters (``param_magnitude``), so 2 * eps * param_magnitude."""
     return lr * grad_atol + 2 * torch.finfo(dtype).eps * param_magnitude
+
+
+def clip_norm_atols(grads: dict[str, torch.Tensor], grad_atol: dict[str, float],
+                    max_norm: float) -> tuple[dict[str, float], float]:
+    """How far apart two norm clips (torch.nn.utils.clip_grad_norm_'s g * max_norm / ||g||, or g
+    itself where ||g|| <= max_norm) can be, per parameter, whose unclipped ``grads`` differ by at
+    most ``grad_atol``; and how far apart their two norms ||g|| can be. The norm's relative error:
+    its sum of squares over every element (terms >= 0, plus the square root and the division)
+    added in another order, and the gradients' own differences, at most ||grad_atol||_2 / ||g||.
+    A clipped element carries its gradient's bound times the coefficient plus its value times
+    the coefficient's relative error (the norm's)."""
+    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+    n_all = sum(g.numel() for g in grads.values())
+    rel = (reordered_sum_atol(n_all + 2, 1.0)
+           + math.sqrt(sum(g.numel() * grad_atol[k] ** 2 for k, g in grads.items())) / norm)
+    if norm <= max_norm:
+        return dict(grad_atol), norm * rel
+    coef = max_norm / norm
+    return {k: coef * grad_atol[k] + coef * float(g.abs().max()) * rel for k, g in grads.items()}, norm * rel
+
+
+def adam_first_step_atol(grad: torch.Tensor, grad_atol: float, lr: float, eps: float,
+                         param: torch.Tensor) -> torch.Tensor:
+    """Per element, how far apart two Adam(W) first steps from the same ``param`` can land
+    whose gradients are within ``grad_atol`` of ``grad`` (and of each other). The first step
+    moves by lr * g / (|g| + eps) (its bias corrections cancel, up to roundings), a function of
+    g with slope eps / (|g| + eps)^2 <= 1 / eps, largest where |g| is smallest: so lr times
+    ``grad_atol`` times that slope at the smallest |g| the interval allows, never more than
+    2 lr (the two directions); plus the update's own roundings (m, v, the square root, the
+    division: lr * 4 eps32) and the parameter's (weight decay, the subtraction: 2 eps32 |p|).
+    Near-zero gradients legitimately move far; where |g| >> grad_atol the bound is tight."""
+    e32 = torch.finfo(param.dtype).eps
+    low = (grad.abs() - grad_atol).clamp_min(0.0)
+    slope = eps / (low + eps) ** 2
+    return (lr * torch.clamp(grad_atol * slope, max=2.0) + lr * 4 * e32
+            + 2 * e32 * param.detach().abs())
+
+
+def adam_step_atol(grad: torch.Tensor, grad_atol: float, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   step: int, lr: float, betas: tuple[float, float], eps: float,
+                   param: torch.Tensor) -> torch.Tensor:
+    """Per element, how far apart two Adam(W) steps (torch's single-tensor update, step
+    ``step``) from the same parameter and state can land whose gradients are within
+    ``grad_atol`` of ``grad``; ``exp_avg``/``exp_avg_sq`` are one side's new state. The update is
+    lr / bc1 * m / D with D = sqrt(v) / sqrt(bc2) + eps >= eps. A gradient difference d moves m by
+    (1 - b1) d and v by at most (1 - b2) (2 |g| d + d^2), so sqrt(v) by at most
+    min(sqrt(dv), dv / sqrt(v)); to first order the update moves by lr / bc1 (dm / D + |m| dD /
+    D^2). Plus the state's and the update's own roundings, each rounding of a value differing
+    between the sides adding at most eps32 of it: m and v (2 each), the update (lr / bc1 |m| / D
+    over 4) and the parameter (weight decay, the subtraction: 2 eps32 |p|)."""
+    e32 = torch.finfo(param.dtype).eps
+    b1, b2 = betas
+    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+    m, v = exp_avg.abs(), exp_avg_sq.abs()
+    dm = (1 - b1) * grad_atol + 2 * e32 * m
+    dv = (1 - b2) * (2 * grad.abs() * grad_atol + grad_atol ** 2) + 2 * e32 * v
+    dsqrt = torch.minimum(dv.sqrt(), dv / v.sqrt().clamp_min(torch.finfo(v.dtype).tiny))
+    d = v.sqrt() / math.sqrt(bc2) + eps
+    dd = dsqrt / math.sqrt(bc2)
+    du = lr / bc1 * (dm + m * dd / d) / torch.clamp(d - dd, min=eps)
+    return du + 4 * e32 * lr / bc1 * m / d + 2 * e32 * param.detach().abs()
+
+
+def adam_state_atols(grad: torch.Tensor, grad_atol: float, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     betas: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bounds on the new ``exp_avg`` and ``exp_avg_sq`` of :func:`adam_step_atol`."""
+    e32 = torch.finfo(exp_avg.dtype).eps
+    b1, b2 = betas
+    return ((1 - b1) * grad_atol + 2 * e32 * exp_avg.abs(),
+            (1 - b2) * (2 * grad.abs() * grad_atol + grad_atol ** 2) + 2 * e32 * exp_avg_sq.abs())
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, atol: torch.Tensor, what: str) -> None:
+    """|actual - expected| <= atol elementwise (a per-element bound such as
+    :func:`adam_first_step_atol`)."""
+    diff = (actual.detach() - expected.detach()).abs()
+    bad = ~(diff <= atol)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {diff.numel()} elements out of bound, "
+                           f"worst {float((diff - atol).max())} above")
 
 
 def assert_same_training(got: dict, ref: dict, what: str) -> None:

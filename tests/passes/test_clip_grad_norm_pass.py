@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from stepgraph import MLP_GRAD_SUMS, eager_grads, mlp_step, node_values, run
 from test_unscale_grads_pass import conv_bn_linear_grad_atols
-from tolerance import reordered_sum_atol
+from tolerance import clip_norm_atols, reordered_sum_atol
 
 from dlspass.config import DLSConfig
 from dlspass.graph import roles
 from dlspass.passes import ClipGradNormPass, apply_dls
-
-
-def _clip_atols(grads: dict[str, torch.Tensor], grad_atol: dict[str, float], max_norm: float) -> dict[str, float]:
-    """How far apart two norm-clipped gradients g * max_norm / ||g|| can be, per parameter,
-    whose unclipped ``grads`` differ by at most ``grad_atol``: that times the coefficient, plus
-    the clipped value times the coefficient's relative error, which is the norm's: its sum of
-    squares over every element (terms >= 0, plus the square root and the division) added in
-    another order, and the gradients' own differences, at most ||grad_atol||_2 / ||g||
-    (tests/tolerance.py)."""
-    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
-    coef = max_norm / norm
-    n_all = sum(g.numel() for g in grads.values())
-    rel = (reordered_sum_atol(n_all + 2, 1.0)
-           + math.sqrt(sum(g.numel() * grad_atol[k] ** 2 for k, g in grads.items())) / norm)
-    return {k: coef * grad_atol[k] + coef * float(g.abs().max()) * rel for k, g in grads.items()}
 
 
 def _clip_nodes(gm):
@@ -45,9 +28,9 @@ def test_norm_clipping_matches_torch_clip_grad_norm() -> None:
     total = torch.nn.utils.clip_grad_norm_(list(params.values()), 0.05)
     assert float(total) > 0.05  # the test really clips
     # the traced gradients and eager autograd's sum in other orders (MLP_GRAD_SUMS), carried
-    # through the clip (_clip_atols)
-    tol = _clip_atols(ref, {k: reordered_sum_atol(MLP_GRAD_SUMS, float(g.abs().max())) for k, g in ref.items()},
-                      0.05)
+    # through the clip (tests/tolerance.py)
+    tol = clip_norm_atols(ref, {k: reordered_sum_atol(MLP_GRAD_SUMS, float(g.abs().max())) for k, g in ref.items()},
+                          0.05)[0]
     for n, v in zip(_clip_nodes(gm), clipped, strict=True):
         k = roles.target_of(n)
         torch.testing.assert_close(v, params[k].grad, rtol=0, atol=tol[k])
@@ -126,6 +109,6 @@ def test_unscaled_clipping_leaves_the_backwards_reads_of_a_gradient_unclipped() 
     ref = {k: p.grad for k, p in model.named_parameters()}
     # the exported step's gradients against eager autograd's (conv_bn_linear_grad_atols),
     # carried through the clip
-    atol = _clip_atols(raw, conv_bn_linear_grad_atols(model, batch), 0.05)
+    atol = clip_norm_atols(raw, conv_bn_linear_grad_atols(model, batch), 0.05)[0]
     for n, v in zip(_clip_nodes(gm), clipped, strict=True):
         torch.testing.assert_close(v, ref[roles.target_of(n)], rtol=0, atol=atol[roles.target_of(n)])
