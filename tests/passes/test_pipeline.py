@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from stepgraph import MLP_GRAD_SUMS, Step, cnn_step, mlp_step, reference_step, run
-from tolerance import grad_term_sums, reordered_sum_atol, sgd_update_atol
+from tolerance import grad_term_sums, reordered_sum_atol, sgd_update_atol, smallcnn_grad_sums
 
 from dlspass.config import ConfigError, DLSConfig
 from dlspass.graph import roles
@@ -27,12 +27,9 @@ from dlspass.scale_policy import ScalerState
 FP32 = DLSConfig(mixed_precision=False, initial_loss_scale=1024.0, steps_per_increase=2)
 
 
-# The longest chain of sums behind one of SmallCNN's (width 2, batch of 2 4x4 images)
-# gradients, conv1.weight's, the forward being the same on both sides (the loss is bit-equal):
-# back through the head (3 classes), BatchNorm2's two batch sums (over 2 x 2 x 2), conv2's input
-# gradient (4 channels x 9 taps), BatchNorm1's two sums (over 2 x 4 x 4), then conv1's weight
-# gradient over the 2 x 4 x 4 positions.
-CNN_GRAD_SUMS = 3 + 2 * 8 + 4 * 9 + 2 * 32 + 32
+# cnn_step's SmallCNN (width 2, 3 classes, batch of 2 4x4 images): the forward is the same on
+# both sides (the loss is bit-equal), the backward sums in other orders (tests/tolerance.py)
+CNN_GRAD_SUMS = smallcnn_grad_sums(width=2, n_classes=3, batch=2, hw=4)
 
 
 def _assert_matches(got: dict, ref: dict, step: Step, **override: Any) -> None:
