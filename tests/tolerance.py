@@ -53,6 +53,18 @@ def assert_close_reordered(actual: torch.Tensor, expected: torch.Tensor, n: int,
     torch.testing.assert_close(actual, expected, rtol=0.0, atol=atol)
 
 
+def roundings_atol(k: int, magnitude: float, eps: float) -> float:
+    """How far a result computed with ``k`` roundings to a narrower format of machine epsilon
+    ``eps`` along its longest chain (each input and output of a lowered matmul rounded, unit
+    roundoff u = eps / 2) can be from the same result in float32, where ``magnitude`` bounds
+    the sum of its terms' magnitudes (S): gamma_k * S with gamma_k = k*u / (1 - k*u), the
+    standard first-order bound of k relative errors of u. The float32 sums' own reordering
+    (:func:`reordered_sum_atol`) is far below and not added."""
+    u = eps / 2
+    assert k * u < 0.5, "the first-order bound needs k * eps < 1"
+    return k * u / (1 - k * u) * magnitude
+
+
 def mlp_grad_sums(widths: Sequence[int], batch: int, forward: bool = True) -> int:
     """The longest chain of sums behind a gradient of an MLP of Linear layers ``widths[0] ->
     widths[1] -> ... -> widths[-1]`` trained on ``batch`` rows (the first layer's weight
