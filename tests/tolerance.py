@@ -80,17 +80,20 @@ def grad_term_sums(model: torch.nn.Module,
                    loss_fn: Callable[[torch.nn.Module], torch.Tensor]) -> dict[str, float]:
     """Per parameter of ``model``, the S of :func:`reordered_sum_atol` for its gradient's last
     sum: the largest, over the gradient's elements, sum of the magnitudes of the terms that sum
-    adds up (|grad_output| times |input| over the batch and positions for Linear and Conv2d
-    weights, |grad_output| times |x_hat| for BatchNorm2d/LayerNorm weights, |grad_output| for
-    biases and, over a row's tokens, Embedding rows), from one eager forward and backward of ``loss_fn(copy)`` on a copy of ``model``
-    (``loss_fn`` calls it once; a magnitude, so float32 rounding in it does not matter). Unlike a gradient's own magnitude this holds where the terms cancel (a
-    BatchNorm weight's gradient sums grad_output * x_hat, whose signs mix by construction, and
-    the gradient of a bias before a BatchNorm is zero up to rounding)."""
+    adds up (|grad_output| times |input| over the batch and positions for Linear, Conv2d and
+    transformers' Conv1D weights, |grad_output| times |x_hat| for BatchNorm2d/LayerNorm
+    weights, |grad_output| for biases and, over a row's tokens, Embedding rows; a parameter
+    used by two modules, as a tied embedding, adds both), from one eager forward and backward
+    of ``loss_fn(copy)`` on a copy of ``model`` (``loss_fn`` calls each module once; a
+    magnitude, so float32 rounding in it does not matter). Unlike a gradient's own magnitude
+    this holds where the terms cancel (a BatchNorm weight's gradient sums grad_output * x_hat,
+    whose signs mix by construction, and the gradient of a bias before a BatchNorm is zero up
+    to rounding)."""
     import copy
 
     m = copy.deepcopy(model)  # hooks and BatchNorm's running statistics stay off the original
     inputs: dict[torch.nn.Module, torch.Tensor] = {}
-    out: dict[str, float] = {}
+    acc: dict[int, torch.Tensor] = {}  # by parameter identity: tied parameters add up
 
     def fwd(mod: torch.nn.Module, args: tuple, _res: object) -> None:
         inputs[mod] = args[0].detach()
@@ -118,13 +121,16 @@ def grad_term_sums(model: torch.nn.Module,
             b = g.flatten(0, lead - 1).sum(0)
         elif isinstance(mod, torch.nn.Embedding):  # each row sums |grad_output| over its tokens
             ids = inputs[mod].flatten()
-            w = torch.zeros_like(mod.weight).index_add_(0, ids, g.flatten(0, -2))
+            w = torch.zeros_like(mod.weight).index_add_(0, ids, g.flatten(0, -2).to(mod.weight.dtype))
             b = None
+        elif type(mod).__name__ == "Conv1D":  # transformers' x @ weight + bias, weight (in, out)
+            w = x.flatten(0, -2).t() @ g.flatten(0, -2)
+            b = g.flatten(0, -2).sum(0)
         else:
             raise TypeError(f"grad_term_sums: no rule for {type(mod).__name__} ({name})")
-        out[f"{name}.weight" if name else "weight"] = float(w.max())
-        if b is not None:
-            out[f"{name}.bias" if name else "bias"] = float(b.max())
+        for p, t in ((mod.weight, w), (getattr(mod, "bias", None), b)):
+            if p is not None and t is not None:
+                acc[id(p)] = acc[id(p)] + t if id(p) in acc else t
 
     for name, mod in m.named_modules():
         if list(mod.parameters(recurse=False)):
@@ -133,7 +139,7 @@ def grad_term_sums(model: torch.nn.Module,
     with warnings.catch_warnings():  # a first layer's hook fires without input gradients: fine
         warnings.simplefilter("ignore", UserWarning)
         loss_fn(m).backward()
-    return {k: out[k] for k, _ in m.named_parameters()}
+    return {k: float(acc[id(p)].max()) for k, p in m.named_parameters()}
 
 
 def smallcnn_grad_sums(width: int, n_classes: int, batch: int, hw: int, in_ch: int = 1,
