@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tolerance import (
     adam_first_step_atol,
     assert_within,
+    gpt_grad_sums,
     grad_term_sums,
     mlp_grad_sums,
     reordered_sum_atol,
@@ -295,24 +296,6 @@ def _compiled_mlp_adam(scaler):
     return model, step, _batches(1)[0]
 
 
-def _tinygpt_sums(d: int, n_layer: int, vocab: int, seq: int, tokens: int) -> int:
-    """The longest chain of sums behind a TinyGPT gradient, both sides running their own kernels
-    forward and backward (tests/tolerance.py), counted generously (every stage's sums added):
-    per block forward, LayerNorm's mean and variance (d each), the qkv projection (d), q.k (the
-    head width, d / 2 at two heads), softmax's sum over ``seq`` keys plus exp's roundings (2),
-    att.v (``seq``), the output projection (d), LayerNorm (2 d), the MLP's fc (d), GELU's
-    roundings (2) and out (4 d); then the final LayerNorm (2 d), the head (d) and the
-    cross-entropy's log-sum-exp over ``vocab`` (+ 2). Backward: the head's input gradient
-    (``vocab``), the final LayerNorm (2 d), per block the input gradients of out (d), fc (4 d),
-    LayerNorm (2 d), proj (d), att.v (d / 2 and ``seq``), softmax (``seq``), q.k (``seq`` twice),
-    qkv (3 d) and LayerNorm (2 d); then a weight gradient's sum over the ``tokens``."""
-    block_fwd = 2 * d + d + d // 2 + seq + 2 + seq + d + 2 * d + d + 2 + 4 * d
-    block_bwd = d + 4 * d + 2 * d + d + d // 2 + seq + seq + 2 * seq + 3 * d + 2 * d
-    forward = n_layer * block_fwd + 2 * d + d + vocab + 2
-    backward = vocab + 2 * d + n_layer * block_bwd + tokens
-    return forward + backward
-
-
 def _mse(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return F.mse_loss(model(batch[0]), batch[1])
 
@@ -320,7 +303,7 @@ def _mse(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tenso
 # build, the loss it trains, the longest chain of sums behind a gradient (tests/tolerance.py)
 FUSE_CASES = {
     "mlp-adam": (_compiled_mlp_adam, _mse, mlp_grad_sums([8, 16, 16, 4], batch=4)),
-    "gpt-adamw": (_compiled_gpt, gpt_loss, _tinygpt_sums(d=128, n_layer=2, vocab=64, seq=64, tokens=16 * 64)),
+    "gpt-adamw": (_compiled_gpt, gpt_loss, gpt_grad_sums(d=128, n_layer=2, vocab=64, seq=64, tokens=16 * 64)),
 }
 
 

@@ -53,6 +53,38 @@ def assert_close_reordered(actual: torch.Tensor, expected: torch.Tensor, n: int,
     torch.testing.assert_close(actual, expected, rtol=0.0, atol=atol)
 
 
+def gpt_grad_sums(d: int, n_layer: int, vocab: int, seq: int, tokens: int) -> int:
+    """The longest chain of sums behind a GPT gradient (``dlspass.models.TinyGPT``, or
+    transformers' GPT-2: pre-norm blocks of causal attention with 2 heads and a 4x MLP), both
+    sides running their own kernels forward and backward, counted generously (every stage's
+    sums added):
+    per block forward, LayerNorm's mean and variance (d each), the qkv projection (d), q.k (the
+    head width, d / 2 at two heads), softmax's sum over ``seq`` keys plus exp's roundings (2),
+    att.v (``seq``), the output projection (d), LayerNorm (2 d), the MLP's fc (d), GELU's
+    roundings (2) and out (4 d); then the final LayerNorm (2 d), the head (d) and the
+    cross-entropy's log-sum-exp over ``vocab`` (+ 2). Backward: the head's input gradient
+    (``vocab``), the final LayerNorm (2 d), per block the input gradients of out (d), fc (4 d),
+    LayerNorm (2 d), proj (d), att.v (d / 2 and ``seq``), softmax (``seq``), q.k (``seq`` twice),
+    qkv (3 d) and LayerNorm (2 d); then a weight gradient's sum over the ``tokens``. The ``n``
+    of :func:`reordered_sum_atol`."""
+    block_fwd = 2 * d + d + d // 2 + seq + 2 + seq + d + 2 * d + d + 2 + 4 * d
+    block_bwd = d + 4 * d + 2 * d + d + d // 2 + seq + seq + 2 * seq + 3 * d + 2 * d
+    forward = n_layer * block_fwd + 2 * d + d + vocab + 2
+    backward = vocab + 2 * d + n_layer * block_bwd + tokens
+    return forward + backward
+
+
+def gpt_matmul_roundings(n_layer: int) -> int:
+    """How many roundings the longest chain behind a GPT gradient (the tied token embedding's)
+    takes when every input and output of every matmul is rounded to a narrower format (3 per
+    matmul): forward through ``n_layer`` blocks of 6 matmuls (the qkv projection, q.k, w.v, the
+    output projection, the MLP's two) and the LM head, then back through the head's and each
+    block's input gradients and the head's weight gradient. The ``k`` of
+    :func:`roundings_atol`."""
+    forward = 3 * (6 * n_layer + 1)
+    return forward + 3 + 3 * 6 * n_layer + 3
+
+
 def roundings_atol(k: int, magnitude: float, eps: float) -> float:
     """How far a result computed with ``k`` roundings to a narrower format of machine epsilon
     ``eps`` along its longest chain (each input and output of a lowered matmul rounded, unit
