@@ -17,6 +17,7 @@ import traceback
 import pytest
 import torch
 from gloo_launch import PYTEST_TIMEOUT_S, gloo_group, launch, save_result
+from tolerance import assert_within, grad_term_sums, mlp_grad_sums, reordered_sum_atol
 
 pytestmark = pytest.mark.timeout(PYTEST_TIMEOUT_S)
 
@@ -55,7 +56,7 @@ def _scenario(rank: int, world: int) -> dict:
     step = dlspass.compile(train_step, optimizer=opt, scaler=scaler, mixed_precision=False,
                            backend_compiler="eager", process_group=torch.distributed.group.WORLD)
     counters.clear()
-    scales, skipped, params, losses = [], [], [], []
+    scales, skipped, params, losses, bufs = [], [], [], [], []
     for it in range(ITERS):
         x, y = (t.chunk(world)[rank].clone() for t in _batch(it))
         if it == INF_ITER and rank == world - 1:
@@ -65,6 +66,8 @@ def _scenario(rank: int, world: int) -> dict:
         scales.append(float(scaler.state.loss_scale))
         skipped.append(int(scaler.state.num_skipped_steps) > n0)
         params.append(_flat(model))
+        bufs.append(torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) if "momentum_buffer" in opt.state[p]
+                               else torch.full((p.numel(),), float("nan")) for p in model.parameters()]))
     (gm,) = step.graphs
     out = {
         "differs_before": differs_before,
@@ -72,6 +75,7 @@ def _scenario(rank: int, world: int) -> dict:
         "unique_graphs": counters["stats"]["unique_graphs"],
         "collectives": [str(n.target) for n in collective_nodes(gm)],
         "scales": scales, "skipped": skipped, "params": torch.stack(params), "losses": losses,
+        "bufs": torch.stack(bufs),  # NaN: no momentum buffer yet
         "state": {k: v.clone() for k, v in scaler.state._asdict().items()},
     }
     if rank == 0:
@@ -153,8 +157,40 @@ def test_params_identical_across_ranks_and_equal_single_process(ranks: list[dict
     assert ranks[1]["differs_before"] and not ranks[0]["differs_before"]
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
     ref = ranks[0]["ref"]
-    torch.testing.assert_close(ranks[0]["params"], ref, rtol=1e-5, atol=1e-6)
     assert not torch.equal(ref[0], ref[-1])  # it did train
+    _assert_steps_match_single_process(ranks[0])
+
+
+def _assert_steps_match_single_process(r: dict) -> None:
+    """Each iteration of the run against one eager single-process SGD step on the whole batch
+    from the run's own parameters and momentum buffers before it: the two halves' gradients,
+    averaged over the ranks, against the whole batch's sum in other orders (the forward's and
+    the backward's chain of sums, the batch of 8, the average's division; tests/tolerance.py),
+    carried through the momentum update; a run's differences would grow with the iterations,
+    one step's are bounded. The skipped iteration leaves everything bit for bit."""
+    import torch.nn.functional as F
+
+    model = _rank0_model()
+    start, buf = _flat(model), None
+    eps = torch.finfo(torch.float32).eps
+    for it in range(ITERS):
+        if it == INF_ITER:
+            assert torch.equal(r["params"][it], start) and torch.equal(r["bufs"][it], buf)
+            continue
+        torch.nn.utils.vector_to_parameters(start, model.parameters())
+        x, y = _batch(it)
+        grads = torch.autograd.grad(F.mse_loss(model(x), y), list(model.parameters()))
+        terms = grad_term_sums(model, lambda m, x=x, y=y: F.mse_loss(m(x), y))
+        g = torch.cat([t.reshape(-1) for t in grads])
+        grad_atol = torch.cat([torch.full((p.numel(),), reordered_sum_atol(mlp_grad_sums([8, 16, 16, 4], batch=8) + 1,
+                                                                         terms[k]))
+                               for k, p in model.named_parameters()])
+        new_buf = g if buf is None else buf * MOMENTUM + g
+        buf_atol = grad_atol + 2 * eps * new_buf.abs()
+        assert_within(r["bufs"][it], new_buf, buf_atol, f"momentum buffer after iteration {it}")
+        p_atol = LR * buf_atol + 2 * eps * start.abs()
+        assert_within(r["params"][it], start - LR * new_buf, p_atol, f"parameters after iteration {it}")
+        start, buf = r["params"][it], r["bufs"][it]
 
 
 def test_process_group_without_distributed_is_a_clear_error() -> None:
