@@ -17,7 +17,7 @@ import traceback
 import pytest
 import torch
 from gloo_launch import PYTEST_TIMEOUT_S, gloo_group, launch, save_result
-from tolerance import assert_within, grad_term_sums, mlp_grad_sums, reordered_sum_atol
+from tolerance import assert_sgd_steps, mlp_grad_sums
 
 pytestmark = pytest.mark.timeout(PYTEST_TIMEOUT_S)
 
@@ -162,35 +162,14 @@ def test_params_identical_across_ranks_and_equal_single_process(ranks: list[dict
 
 
 def _assert_steps_match_single_process(r: dict) -> None:
-    """Each iteration of the run against one eager single-process SGD step on the whole batch
-    from the run's own parameters and momentum buffers before it: the two halves' gradients,
-    averaged over the ranks, against the whole batch's sum in other orders (the forward's and
-    the backward's chain of sums, the batch of 8, the average's division; tests/tolerance.py),
-    carried through the momentum update; a run's differences would grow with the iterations,
-    one step's are bounded. The skipped iteration leaves everything bit for bit."""
+    """Each iteration against one eager single-process SGD step on the whole batch from the
+    run's own parameters and momentum buffers: the two halves' gradients, averaged over the
+    ranks (one more term), against the whole batch's (tests/tolerance.py)."""
     import torch.nn.functional as F
 
-    model = _rank0_model()
-    start, buf = _flat(model), None
-    eps = torch.finfo(torch.float32).eps
-    for it in range(ITERS):
-        if it == INF_ITER:
-            assert torch.equal(r["params"][it], start) and torch.equal(r["bufs"][it], buf)
-            continue
-        torch.nn.utils.vector_to_parameters(start, model.parameters())
-        x, y = _batch(it)
-        grads = torch.autograd.grad(F.mse_loss(model(x), y), list(model.parameters()))
-        terms = grad_term_sums(model, lambda m, x=x, y=y: F.mse_loss(m(x), y))
-        g = torch.cat([t.reshape(-1) for t in grads])
-        grad_atol = torch.cat([torch.full((p.numel(),), reordered_sum_atol(mlp_grad_sums([8, 16, 16, 4], batch=8) + 1,
-                                                                         terms[k]))
-                               for k, p in model.named_parameters()])
-        new_buf = g if buf is None else buf * MOMENTUM + g
-        buf_atol = grad_atol + 2 * eps * new_buf.abs()
-        assert_within(r["bufs"][it], new_buf, buf_atol, f"momentum buffer after iteration {it}")
-        p_atol = LR * buf_atol + 2 * eps * start.abs()
-        assert_within(r["params"][it], start - LR * new_buf, p_atol, f"parameters after iteration {it}")
-        start, buf = r["params"][it], r["bufs"][it]
+    assert_sgd_steps(_rank0_model(), lambda m, b: F.mse_loss(m(b[0]), b[1]), [_batch(it) for it in range(ITERS)],
+                     r["params"], r["bufs"], [not s for s in r["skipped"]], LR, MOMENTUM,
+                     mlp_grad_sums([8, 16, 16, 4], batch=8) + 1)
 
 
 def test_process_group_without_distributed_is_a_clear_error() -> None:

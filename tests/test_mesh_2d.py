@@ -21,6 +21,7 @@ import traceback
 import pytest
 import torch
 from gloo_launch import launch, serve
+from tolerance import assert_sgd_steps, mlp_grad_sums
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -46,6 +47,16 @@ def _batch(it: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 def _full(model: torch.nn.Module) -> torch.Tensor:
     """The whole parameters, flattened (a collective on every DTensor)."""
     return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+
+
+def _full_bufs(model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    """The whole momentum buffers, flattened in the parameters' order (NaN before the first)."""
+    out = []
+    for p in model.parameters():
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        out.append(torch.full((p.numel(),), float("nan")) if buf is None
+                   else buf.full_tensor().detach().reshape(-1))
+    return torch.cat(out)
 
 
 def _local(model: torch.nn.Module) -> torch.Tensor:
@@ -116,7 +127,7 @@ def _train(layout: str, kind: str) -> dict:
     rank = torch.distributed.get_rank()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     scaler = _make_scaler(kind, mesh)
-    scales, stepped, params = [], [], []
+    scales, stepped, params, bufs = [], [], [], []
     where = {it: what for it, r, what in INJECT[layout] if r == rank}
     for it in range(1, ITERS + 1):
         x, y = (t.chunk(n_shards)[shard].clone() for t in _batch(it))
@@ -132,8 +143,9 @@ def _train(layout: str, kind: str) -> dict:
         opt.zero_grad(set_to_none=True)
         scales.append(float(scaler.get_scale()))
         params.append(_full(model))
+        bufs.append(_full_bufs(model, opt))
         stepped.append(not torch.equal(before, _local(model)))  # this rank's own pieces
-    return {"scales": scales, "stepped": stepped, "params": torch.stack(params)}
+    return {"scales": scales, "stepped": stepped, "params": torch.stack(params), "bufs": torch.stack(bufs)}
 
 
 def _clip(layout: str) -> dict:
@@ -154,13 +166,15 @@ def _clip(layout: str) -> dict:
         group)
     opt.zero_grad(set_to_none=True)
     scaler = GradScaler(init_scale=INIT_SCALE, max_gradient_norm=MAX_NORM)
+    steps = []
     for it in range(3):
         x, y = (t.chunk(n_shards)[shard] for t in _batch(100 + it))
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-    return {"norm": float(norm), "weights": weights, "params": _full(model)}
+        steps.append(_full(model))
+    return {"norm": float(norm), "weights": weights, "params": _full(model), "steps": torch.stack(steps)}
 
 
 def _refusals() -> dict:
@@ -252,31 +266,18 @@ def _get(ranks: list[dict], key: object) -> list[dict]:
     return out
 
 
-def _reference(skip: tuple[int, ...] = SKIPPED, clip: float | None = None) -> torch.Tensor:
-    """Single process, fp32, no scaler: the MLP on the concatenated batches, parameters after
-    each iteration (flattened in the order the distributed runs gather). ``skip``: iterations
-    left out; ``clip``: `_clip`'s run (plain SGD, 3 steps, clip_grad_norm_) instead of `_train`'s.
-    """
+MESH_SUMS = mlp_grad_sums([8, 16, 16, 4], batch=8) + 2
+
+
+def _start() -> torch.nn.Module:
     from dlspass.models import MLP
 
     torch.manual_seed(0)
-    model = MLP()
-    if clip is None:
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        batches = [_batch(it) for it in range(1, ITERS + 1)]
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        batches = [_batch(100 + it) for it in range(3)]
-    out = []
-    for it, (x, y) in enumerate(batches, start=1):
-        if it not in skip:
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            opt.zero_grad()
-        out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-    return torch.stack(out)
+    return MLP()
+
+
+def _mse(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
 
 @pytest.mark.parametrize("layout", list(INJECT))
@@ -288,7 +289,11 @@ def test_every_rank_skips_the_poisoned_iterations_and_matches_one_process(
         assert r["stepped"] == [it not in SKIPPED for it in range(1, ITERS + 1)]
         assert r["scales"] == EXPECTED_SCALES
         assert torch.equal(r["params"], runs[0]["params"])  # all ranks identical
-    torch.testing.assert_close(runs[0]["params"], _reference(), rtol=1e-5, atol=1e-6)
+    # each iteration against one single-process step from the run's own state: the shards'
+    # and replicas' gradients add the whole batch's terms in other orders (the MLP's chain of
+    # sums, plus the averages over the two mesh dimensions; tests/tolerance.py)
+    assert_sgd_steps(_start(), _mse, [_batch(it) for it in range(1, ITERS + 1)], runs[0]["params"],
+                     runs[0]["bufs"], [it not in SKIPPED for it in range(1, ITERS + 1)], LR, MOMENTUM, MESH_SUMS)
 
 
 @pytest.mark.parametrize("layout", ["fsdp_tp", "hsdp_loss"])
@@ -331,8 +336,10 @@ def test_clip_norm_over_both_mesh_dimensions(ranks: list[dict], layout: str) -> 
     # fc3 on the dp sub-mesh; every HSDP gradient)
     expected = [1, 1, 1, 0.5, 0.5, 0.5] if layout == "fsdp_tp" else [0.5] * 6
     assert runs[0]["weights"] == expected
-    torch.testing.assert_close(runs[0]["params"], _reference(skip=(), clip=MAX_NORM)[-1],
-                               rtol=1e-5, atol=1e-6)
+    # each step against one single-process clipped step from the run's own parameters
+    assert_sgd_steps(_start(), _mse, [_batch(100 + it) for it in range(3)], runs[0]["steps"], None,
+                     [True] * 3, LR, 0.0, MESH_SUMS, max_norm=MAX_NORM)
+    assert torch.equal(runs[0]["steps"][-1], runs[0]["params"])
 
 
 def test_what_stays_refused_is_named(ranks: list[dict]) -> None:

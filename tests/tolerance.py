@@ -280,6 +280,54 @@ def assert_within(actual: torch.Tensor, expected: torch.Tensor, atol: torch.Tens
                            f"worst {float((diff - atol).max())} above")
 
 
+def assert_sgd_steps(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, tuple], torch.Tensor],
+                     batches: Sequence[tuple], params: torch.Tensor, bufs: torch.Tensor | None,
+                     stepped: Sequence[bool], lr: float, momentum: float, n: int,
+                     max_norm: float | None = None) -> None:
+    """Each iteration of a recorded SGD run (``params``, and with ``momentum`` ``bufs``: the flat
+    parameters and momentum buffers after each iteration, NaN for a buffer not created yet)
+    against one eager step of ``model`` (torch's SGD: clip_grad_norm_ to ``max_norm`` if given,
+    buf = momentum * buf + g or g at first, p - lr * buf) on ``batches[i]`` from the run's own
+    state before it. A run whose gradients add the same terms in other orders (data-parallel
+    halves averaged, pipeline stages, sharded layouts) drifts from a single-process run by
+    more with every step; one step from a shared state is bounded: the gradients' ``n``-term
+    reordering (S from :func:`grad_term_sums`), carried through the clip
+    (:func:`clip_norm_atols`), the buffer's two roundings and the update
+    (:func:`sgd_update_atol`, per element). An iteration that did not step leaves both
+    bit for bit. ``model`` holds the run's starting parameters."""
+    eps = torch.finfo(torch.float32).eps
+    names = [k for k, _ in model.named_parameters()]
+    start = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    buf: torch.Tensor | None = None
+    for it, batch in enumerate(batches):
+        if not stepped[it]:
+            assert torch.equal(params[it], start), f"iteration {it} changed the parameters"
+            if bufs is not None and buf is not None:
+                assert torch.equal(bufs[it], buf), f"iteration {it} changed the momentum buffers"
+            continue
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(start, model.parameters())
+        grads = dict(zip(names, torch.autograd.grad(loss_fn(model, batch), list(model.parameters())), strict=True))
+        terms = grad_term_sums(model, lambda m, batch=batch: loss_fn(m, batch))
+        atol = {k: reordered_sum_atol(n, s) for k, s in terms.items()}
+        if max_norm is not None:
+            norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+            atol = clip_norm_atols(grads, atol, max_norm)[0]
+            coef = min(1.0, max_norm / (norm + 1e-6))
+            grads = {k: g * coef for k, g in grads.items()}
+        g = torch.cat([grads[k].reshape(-1) for k in names])
+        g_atol = torch.cat([torch.full((grads[k].numel(),), atol[k]) for k in names])
+        new_buf = g if (momentum == 0 or buf is None) else buf * momentum + g
+        buf_atol = g_atol + 2 * eps * new_buf.abs()
+        if momentum:
+            assert bufs is not None
+            assert_within(bufs[it], new_buf, buf_atol, f"momentum buffers after iteration {it}")
+        assert_within(params[it], start - lr * new_buf, lr * buf_atol + 2 * eps * start.abs(),
+                      f"parameters after iteration {it}")
+        start = params[it]
+        buf = bufs[it] if momentum else None
+
+
 def assert_same_training(got: dict, ref: dict, what: str) -> None:
     """Bit equality of two recorded training runs (``loss``, ``found_inf``, ``scale`` and
     ``params`` lists and the ``skipped`` count): for two processes that run the same kernels
