@@ -5,8 +5,9 @@ the MLP from a different seed (the first call broadcasts rank 0's parameters), r
 step (eager backend) on its half of each batch, and at iteration ``INF_ITER`` rank 1 alone gets
 an inf in its batch. Checked: 0 graph breaks and one graph on every rank, one bucketed gradient
 all-reduce and one flag all-reduce in the graph, every rank skips the poisoned iteration, scale
-trajectories and parameters identical across ranks, and parameters equal (fp32) to eager
-single-process SGD on the concatenated batch (with the poisoned iteration left out).
+trajectories and parameters identical across ranks, and each iteration within a derived bound of
+one eager single-process SGD step on the concatenated batch from the run's own state (the
+poisoned iteration left out; tests/tolerance.py).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ same code: ``torch.amp.GradScaler``, ``dlspass.TorchGradScaler`` and ``dlspass.G
 gradient shard (or its batch), at iteration 4 into a gradient that is replicated over the
 tensor-parallel dimension, on one rank only. Checked: every rank skips exactly the poisoned
 iterations, scales follow torch's rule, the ranks hold identical parameters, which equal
-torch.amp's bit for bit where torch agrees over the mesh, and equal (fp32 tolerance) a
-single-process run on the concatenated batch that leaves the poisoned iterations out. Also: the
+torch.amp's bit for bit where torch agrees over the mesh, and follow a single-process run on the
+concatenated batch that leaves the poisoned iterations out (each iteration within a derived
+bound of one single-process step from the run's own state; tests/tolerance.py). Also: the
 global clip norm over shards on both mesh dimensions against the single-process norm, the
 layouts that stay refused, and ``dlspass.compile``, ``capture_step`` and
 ``capture_step_distributed`` refusing FSDP2 and FSDP + TP parameters in one line.
