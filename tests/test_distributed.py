@@ -146,6 +146,50 @@ def _scenario_ddp_equiv(rank: int, world: int) -> dict:
             "ref_norms": ref_norms, "steps": steps}
 
 
+def _sync_adam_and_bound(model: torch.nn.Module, opt: torch.optim.Optimizer, ref: torch.nn.Module,
+                         ref_opt: torch.optim.Optimizer, full: tuple, max_norm: float) -> tuple[dict, dict]:
+    """Copy the sharded run's parameters and Adam state into ``ref``/``ref_opt``; return the
+    per-parameter bound on the clipped gradients' difference (the halves averaged against the
+    whole batch: the MLP's chain of sums plus the average, carried through the clip) and the
+    clipped eager gradients at that start (tests/tolerance.py)."""
+    import copy
+
+    from tolerance import clip_norm_atols, grad_term_sums, mlp_grad_sums, reordered_sum_atol
+
+    from dlspass.models import mse_loss
+
+    torch.nn.utils.vector_to_parameters(_flat(model), ref.parameters())
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        if p in opt.state:
+            ref_opt.state[q] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                                for k, v in opt.state[p].items()}
+    cp = copy.deepcopy(ref)
+    grads = dict(zip([k for k, _ in cp.named_parameters()],
+                     torch.autograd.grad(mse_loss(cp, full), list(cp.parameters())), strict=True))
+    terms = grad_term_sums(ref, lambda m: mse_loss(m, full))
+    atol = {k: reordered_sum_atol(mlp_grad_sums([8, 16, 16, 4], batch=len(full[0])) + 1, t) for k, t in terms.items()}
+    clip_atol = clip_norm_atols(grads, atol, max_norm)[0]
+    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    return clip_atol, {k: g * coef for k, g in grads.items()}
+
+
+def _adam_atol(ref: torch.nn.Module, ref_opt: torch.optim.Optimizer, grads: dict, grad_atol: dict,
+               start: torch.Tensor) -> torch.Tensor:
+    """Per element, the bound of tolerance.adam_step_atol on the step ``ref_opt`` just took."""
+    from tolerance import adam_step_atol
+
+    group = ref_opt.param_groups[0]
+    out, i = [], 0
+    for k, q in ref.named_parameters():
+        st = ref_opt.state[q]
+        p0 = start[i:i + q.numel()].reshape(q.shape)
+        i += q.numel()
+        out.append(adam_step_atol(grads[k], grad_atol[k], st["exp_avg"], st["exp_avg_sq"], int(st["step"]),
+                                  group["lr"], group["betas"], group["eps"], p0).reshape(-1))
+    return torch.cat(out)
+
+
 def _scenario_fsdp_clip(rank: int, world: int) -> dict:
     """FSDP2 + Adam + global-norm clipping vs the unsharded model; then an inf in one shard."""
     from torch.distributed.fsdp import fully_shard
@@ -162,9 +206,13 @@ def _scenario_fsdp_clip(rank: int, world: int) -> dict:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     scaler = GradScaler(init_scale=INIT_SCALE, max_gradient_norm=max_norm)
-    ref_norms, flags = [], []
+    ref_norms, flags, steps = [], [], []
     for it in range(3):
         full = _batch(200 + it)
+        # each step from the sharded run's parameters and Adam state (one step's differences
+        # are bounded, a run's grow): the gradients' bound, clipped, through Adam
+        clip_atol, grads = _sync_adam_and_bound(model, opt, ref, ref_opt, full, max_norm)
+        start = _flat(ref)
         scaler.scale(mse_loss(model, _shard(full, rank, world))).backward()
         flags.append(bool(scaler.step(opt)))
         scaler.update()
@@ -173,6 +221,7 @@ def _scenario_fsdp_clip(rank: int, world: int) -> dict:
         ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)))
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
+        steps.append((_flat(model), _flat(ref), _adam_atol(ref, ref_opt, grads, clip_atol, start)))
     before = _flat(model)
     adam_before = [v.to_local().clone() for st in opt.state.values() for v in st.values()
                    if hasattr(v, "to_local")]
@@ -184,7 +233,7 @@ def _scenario_fsdp_clip(rank: int, world: int) -> dict:
     scaler.update()
     adam_after = [v.to_local() for st in opt.state.values() for v in st.values()
                   if hasattr(v, "to_local")]
-    return {"params": before, "ref": _flat(ref), "ref_norms": ref_norms, "flags": flags,
+    return {"params": before, "ref": _flat(ref), "ref_norms": ref_norms, "flags": flags, "steps": steps,
             "after_skip": _flat(model), "scale": float(scaler.get_scale()),
             "adam_unchanged": all(torch.equal(a, b) for a, b in zip(adam_before, adam_after,
                                                                     strict=True)),
@@ -325,7 +374,8 @@ def test_ddp_matches_single_process_on_concatenated_batch(two: list[dict]) -> No
 def test_fsdp2_clipping_matches_unsharded(two: list[dict]) -> None:
     r0, r1 = _get(two, "fsdp_clip")
     assert all(n > 0.05 for n in r0["ref_norms"]), "clipping must be active for the test to bite"
-    torch.testing.assert_close(r0["params"], r0["ref"], rtol=1e-5, atol=1e-6)
+    _assert_steps(r0["steps"])
+    assert torch.equal(r0["steps"][-1][0], r0["params"])
     assert torch.equal(r0["params"], r1["params"])
     # the last iteration: an inf in rank 1's local shard only -> both ranks skip
     assert r0["flags"] == r1["flags"] == [True, True, True, False]
@@ -348,7 +398,8 @@ def test_captured_step_averages_grads_and_agrees(two: list[dict]) -> None:
 
 def _assert_steps(steps: list) -> None:
     """Each recorded step of a data-parallel run against the single-process step from the same
-    parameters, within the worker's derived per-element bound (``_sync_and_bound``)."""
+    parameters (and Adam state), within the worker's derived per-element bound
+    (``_sync_and_bound``, ``_adam_atol``)."""
     assert steps
     for i, (got, want, atol) in enumerate(steps):
         assert_within(got, want, atol, f"parameters after step {i}")
