@@ -15,12 +15,26 @@ from dlspass.passes.base import (
     global_node,
     grads,
     optimizer_grads,
+    outputs,
     replace_uses,
     scaling_off_reason,
 )
 
 # DLS bookkeeping that must keep reading the unclipped gradients (the check comes first)
 _CHECK_ROLES = {roles.UNSCALE, roles.GRAD_NORM, roles.ISFINITE, roles.CLIP}
+
+
+def _step_code_reads(graph: fx.Graph) -> set[fx.Node]:
+    """The gradients' readers that the step's own code added and no update depends on (a norm
+    it logs or returns). torch.amp's and cstorch's loops run that code before the scaler clips
+    in its step, so it must read the unclipped values; only the optimizer's reads are clipped.
+    A graph that updates nothing (an exported gradient graph) has no such reads: what it
+    returns is what the optimizer reads."""
+    updates = [v for _, role, _, v in outputs(graph) if role in roles.GUARDED_UPDATES]
+    if not updates:
+        return set()
+    feeding = roles.ancestors(updates)
+    return {u for _, g in grads(graph) for u in g.users if u.op != "output" and u not in feeding}
 
 
 class ClipGradNormPass(DLSPass):
@@ -51,6 +65,7 @@ class ClipGradNormPass(DLSPass):
         config = self.config
         assert config is not None
         graph = gm.graph
+        step_reads = _step_code_reads(graph)  # before the clip's own nodes read the gradients
         found = optimizer_grads(graph)  # unscaled; without scaling, as the optimizer reads them
         names = [t for t, _ in found]
         gnodes = [g for _, g in found]
@@ -70,14 +85,15 @@ class ClipGradNormPass(DLSPass):
             clipped = splice(graph, lambda *gs: scale_policy.clip(gs, None, config), gnodes,
                              role=roles.CLIP, by_pass=self.name, before=anchor,
                              output_roles=[(roles.CLIP, t) for t in names])
-        backward = backward_nodes(graph)  # reads inside the backward stay unclipped
+        # reads inside the backward, and the step code's own, stay unclipped
+        backward = backward_nodes(graph) | step_reads
         for g, c in zip(gnodes, clipped, strict=True):
             keep = {u for u in g.users if roles.role_of(u) in _CHECK_ROLES} | backward
             replace_uses(g, c, keep)
         return True
 
     def ensures(self, gm: fx.GraphModule) -> None:
-        backward = backward_nodes(gm.graph)
+        backward = backward_nodes(gm.graph) | _step_code_reads(gm.graph)
         for node in roles.nodes_with_role(gm.graph, roles.CLIP):
             src = node.args[0] if node.args else None
             if roles.target_of(node) and isinstance(src, fx.Node):

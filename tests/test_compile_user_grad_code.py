@@ -258,9 +258,6 @@ def test_max_gradient_norm_clips_what_the_optimizer_reads_after_the_user_clip():
         _assert_sgd_step(i, pairs, clip_atol, 0.1)
 
 
-@pytest.mark.xfail(strict=True, reason="found by #30: with max_gradient_norm the step's own code "
-                   "reads the gradients after dlspass's norm clip (its logged norm is max_gradient_norm), "
-                   "not before it as torch.amp's second clip would")
 def test_the_step_code_reads_the_gradients_before_dlspass_own_norm_clip():
     """What the step's code returns from the gradients (clip_value's norm of the clipped
     values) is what torch.amp's loop computes before its own second clip, bit for bit (the
