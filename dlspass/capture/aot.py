@@ -43,11 +43,15 @@ from dlspass.cache_facts import inductor_key_config
 from dlspass.capture import step_pipeline
 from dlspass.capture.dynamo_source import tag_aot_graph
 from dlspass.capture.step_plan import StepPlan
+from dlspass.config import DLSConfig
 from dlspass.cudagraph_policy import cudagraph_decision, inductor_options, step_facts
 from dlspass.errors import InternalRuntimeError
 from dlspass.formats import INDUCTOR_CONFIG  # keeps the rounding casts
 from dlspass.graph import roles
 from dlspass.passes.decompose_for_inductor_pass import DecomposeForInductorPass
+from dlspass.passes.lower_matmuls_to_float8_pass import LowerMatmulsToFloat8Pass
+from dlspass.passes.lower_precision_pass import LowerPrecisionPass
+from dlspass.passes.scale_backward_pass import ScaleBackwardPass
 
 # A rewrite of one AOT graph, in place: it returns the example inputs the rewritten graph takes
 # and a wrapper for the compiled callable (the identity unless the graph's signature changed).
@@ -184,6 +188,111 @@ def _inductor_context(example_inputs: list[Any], build: Callable[[], Callable]) 
           functorch_config.patch(unlift_effect_tokens=True,
                                  selective_decompose=inductor_config.selective_decompose)):
         return build()
+
+
+# ---- backend="dlspass" and make_backend --------------------------------------------------------
+
+def lowering_backend(gm: fx.GraphModule, example_inputs: list[Any], *, config: DLSConfig,
+                     backend_compiler: str, scaler: Any | None = None,
+                     keep: Callable[[fx.GraphModule], object] | None = None) -> Callable:
+    """The ``dlspass`` backend's hand-off (``dlspass.capture.dynamo_backend.DLSBackend``):
+    AOTAutograd, each AOT graph lowered to ``config``'s 16 bits (and its float8 recipe), with a
+    ``scaler`` (a ``dlspass.GradScaler``) the backward's loss scaling too, then inductor (or
+    eager). The rewrites are made here, as `step_backend` runs the step pipeline here, so the
+    entry point hands over its config and control runs down. ``keep`` receives each rewritten
+    graph (``DLSBackend.graphs``).
+    """
+    rewrites = _Lowering(config, scaler, keep)
+    if not (config.mixed_precision and config.lowering_mode == "native"):
+        bw = rewrites.lower if scaler is None else rewrites.scale_and_lower
+        return aot_backend(gm, example_inputs, rewrites.lower, bw, backend_compiler)
+    # Native: a training graph is lowered as one joint graph before it is partitioned, so
+    # what the forward saves for the backward is 16-bit where the lowering made it so (a
+    # forward lowered on its own would hand its backward the traced float32 values). Its
+    # forward and backward then are lowered already; an inference graph, which has no
+    # joint graph, is lowered on its own.
+    joint_lowered = False
+
+    def lower_joint(g: fx.GraphModule) -> None:
+        nonlocal joint_lowered
+        rewrites.lowering()(g)
+        rewrites.float8(g)
+        joint_lowered = True
+
+    def fw(g: fx.GraphModule, ex: list[Any]) -> tuple[list[Any], Callable]:
+        return rewrites.lower(g, ex, lowered=joint_lowered)
+
+    def bw(g: fx.GraphModule, ex: list[Any]) -> tuple[list[Any], Callable]:
+        if scaler is None:
+            return rewrites.lower(g, ex, lowered=True)
+        return rewrites.scale_and_lower(g, ex, lowered=True)
+
+    return aot_backend(gm, example_inputs, fw, bw, backend_compiler, joint_rewrite=lower_joint)
+
+
+class _Lowering:
+    """The `lowering_backend`'s rewrites of one AOT graph (`Rewrite`s), for one config and scaler."""
+
+    def __init__(self, config: DLSConfig, scaler: Any | None,
+                 keep: Callable[[fx.GraphModule], object] | None) -> None:
+        self.config, self.scaler, self.keep = config, scaler, keep
+
+    def lowering(self) -> LowerPrecisionPass:
+        return LowerPrecisionPass(self.config.fp16_type, self.config.lowering_mode)
+
+    def float8(self, gm: fx.GraphModule) -> None:
+        """The config's float8 recipe on ``gm``'s matmuls, after the 16-bit lowering (as in
+        ``apply_dls``); the gradients are what the ``tangents`` placeholders feed."""
+        if self.config.float8 is not None:
+            LowerMatmulsToFloat8Pass.for_config(self.config)(gm)
+
+    def lower(self, gm: fx.GraphModule, example_inputs: list[Any],
+              lowered: bool = False) -> tuple[list[Any], Callable]:
+        """``gm`` lowered (unless it comes ``lowered`` from a lowered joint graph) and kept."""
+        if self.config.mixed_precision and not lowered:
+            self.lowering()(gm)
+        if not lowered:
+            self.float8(gm)
+        if self.keep is not None:
+            self.keep(gm)
+        return example_inputs, lambda compiled: compiled
+
+    def scale_and_lower(self, gm: fx.GraphModule, example_inputs: list[Any],
+                        lowered: bool = False) -> tuple[list[Any], Callable]:
+        """The backward graph takes the scale as one more input and returns the finite flag as
+        one more output (``ScaleBackwardPass``); the wrapper feeds the one and keeps the other.
+
+        The scaling reads the backward's float32 tangents and gradients (every lowering keeps a
+        graph's inputs and outputs in their traced dtypes), so it is the same whether the graph
+        is lowered after it (emulate) or came ``lowered`` from the joint graph (native)."""
+        scaler = self.scaler
+        # No scaler.scale(loss) is called (the seed is scaled here), and that is where torch.amp
+        # sets its scale up: set it up on the gradients' device before the graph reads it.
+        device = next((t.device for t in example_inputs if isinstance(t, Tensor)), None)
+        if device is not None:
+            scaler._lazy_init_scale_growth_tracker(device)
+        ScaleBackwardPass(self.config)(gm)
+        example_inputs, _ = self.lower(gm, example_inputs, lowered)
+
+        def wrap(inner: Callable) -> Callable:
+            def run(args: list[Any]) -> Any:
+                res = inner([*args, scaler.state.loss_scale])
+                # A graph break gives one backward graph per piece, and gradient accumulation
+                # one backward call per micro-batch: the step is finite only if every one of
+                # them was. The scaler's update() resets the flag, once per step.
+                seen = scaler.backend_found_finite
+                scaler.backend_found_finite = res[-1] if seen is None else seen & res[-1]
+                return res[:-1]
+
+            run._boxed_call = True  # type: ignore[attr-defined]
+            return run
+
+        return [*example_inputs, _fake_like(example_inputs, scaler.state.loss_scale)], wrap
+
+
+def _fake_like(example_inputs: list[Any], t: Tensor) -> Any:
+    mode = detect_fake_mode(example_inputs)
+    return mode.from_tensor(t) if mode is not None else t
 
 
 # ---- dlspass.compile's backend ---------------------------------------------------------------

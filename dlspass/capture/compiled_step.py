@@ -148,8 +148,10 @@ class CompiledStep(StepRunner):
         (`LiveOptimizer`), with dynamo's settings for a whole step; restored afterwards."""
         opt = self.optimizer
         if self.num_calls == 0:
+            # a list, not a generator: step_pipeline would resume this module's generator
+            # frame, a call back up into this module (tests/test_compile_path.py)
             refuse_dtensor_params(
-                "dlspass.compile", (p for g in opt.param_groups for p in g["params"]))
+                "dlspass.compile", [p for g in opt.param_groups for p in g["params"]])
         if self._broadcast_pending:
             self._broadcast()
         self._ctx.refresh()

@@ -37,17 +37,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
-from torch import Tensor
-from torch._guards import detect_fake_mode
 
 # aot_backend and its hand-off live in dlspass.capture.aot; the names stay importable here
-from dlspass.capture.aot import Rewrite, aot_backend  # noqa: F401
+from dlspass.capture.aot import Rewrite, aot_backend, lowering_backend  # noqa: F401
 from dlspass.capture.aot import compiler_config_extra as _compiler_config_extra  # noqa: F401
 from dlspass.capture.step_config import resolve_config
 from dlspass.config import ConfigError, DLSConfig
-from dlspass.passes.lower_matmuls_to_float8_pass import LowerMatmulsToFloat8Pass
-from dlspass.passes.lower_precision_pass import LowerPrecisionPass
-from dlspass.passes.scale_backward_pass import ScaleBackwardPass
 
 if TYPE_CHECKING:
     from dlspass.scaler import GradScaler
@@ -109,84 +104,10 @@ class DLSBackend:
         self.graphs: list[fx.GraphModule] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        config = self.config
-        if not (config.mixed_precision and config.lowering_mode == "native"):
-            bw = self._lower if self.scaler is None else self._scale_and_lower
-            return aot_backend(gm, example_inputs, self._lower, bw, self.backend_compiler)
-        # Native: a training graph is lowered as one joint graph before it is partitioned, so
-        # what the forward saves for the backward is 16-bit where the lowering made it so (a
-        # forward lowered on its own would hand its backward the traced float32 values). Its
-        # forward and backward then are lowered already; an inference graph, which has no
-        # joint graph, is lowered on its own.
-        joint_lowered = False
-
-        def lower_joint(g: fx.GraphModule) -> None:
-            nonlocal joint_lowered
-            self._lowering()(g)
-            self._float8(g)
-            joint_lowered = True
-
-        def fw(g: fx.GraphModule, ex: list[Any]) -> tuple[list[Any], Callable]:
-            return self._lower(g, ex, lowered=joint_lowered)
-
-        def bw(g: fx.GraphModule, ex: list[Any]) -> tuple[list[Any], Callable]:
-            if self.scaler is None:
-                return self._lower(g, ex, lowered=True)
-            return self._scale_and_lower(g, ex, lowered=True)
-
-        return aot_backend(gm, example_inputs, fw, bw, self.backend_compiler,
-                           joint_rewrite=lower_joint)
-
-    def _lowering(self) -> LowerPrecisionPass:
-        return LowerPrecisionPass(self.config.fp16_type, self.config.lowering_mode)
-
-    def _float8(self, gm: fx.GraphModule) -> None:
-        """The config's float8 recipe on ``gm``'s matmuls, after the 16-bit lowering (as in
-        ``apply_dls``); the gradients are what the ``tangents`` placeholders feed."""
-        if self.config.float8 is not None:
-            LowerMatmulsToFloat8Pass.for_config(self.config)(gm)
-
-    def _lower(self, gm: fx.GraphModule, example_inputs: list[Any],
-               lowered: bool = False) -> tuple[list[Any], Callable]:
-        """``gm`` lowered (unless it comes ``lowered`` from a lowered joint graph) and kept."""
-        if self.config.mixed_precision and not lowered:
-            self._lowering()(gm)
-        if not lowered:
-            self._float8(gm)
-        self.graphs.append(gm)
-        return example_inputs, lambda compiled: compiled
-
-    def _scale_and_lower(self, gm: fx.GraphModule, example_inputs: list[Any],
-                         lowered: bool = False) -> tuple[list[Any], Callable]:
-        """The backward graph takes the scale as one more input and returns the finite flag as
-        one more output (``ScaleBackwardPass``); the wrapper feeds the one and keeps the other.
-
-        The scaling reads the backward's float32 tangents and gradients (every lowering keeps a
-        graph's inputs and outputs in their traced dtypes), so it is the same whether the graph
-        is lowered after it (emulate) or came ``lowered`` from the joint graph (native)."""
-        scaler = self.scaler
-        # No scaler.scale(loss) is called (the seed is scaled here), and that is where torch.amp
-        # sets its scale up: set it up on the gradients' device before the graph reads it.
-        device = next((t.device for t in example_inputs if isinstance(t, Tensor)), None)
-        if device is not None:
-            scaler._lazy_init_scale_growth_tracker(device)
-        ScaleBackwardPass(self.config)(gm)
-        example_inputs, _ = self._lower(gm, example_inputs, lowered)
-
-        def wrap(inner: Callable) -> Callable:
-            def run(args: list[Any]) -> Any:
-                res = inner([*args, scaler.state.loss_scale])
-                # A graph break gives one backward graph per piece, and gradient accumulation
-                # one backward call per micro-batch: the step is finite only if every one of
-                # them was. The scaler's update() resets the flag, once per step.
-                seen = scaler.backend_found_finite
-                scaler.backend_found_finite = res[-1] if seen is None else seen & res[-1]
-                return res[:-1]
-
-            run._boxed_call = True  # type: ignore[attr-defined]
-            return run
-
-        return [*example_inputs, _fake_like(example_inputs, scaler.state.loss_scale)], wrap
+        # the hand-off runs the lowering itself (``dlspass.capture.aot.lowering_backend``), so
+        # control runs down from here and never comes back into this module while compiling
+        return lowering_backend(gm, example_inputs, config=self.config, scaler=self.scaler,
+                                backend_compiler=self.backend_compiler, keep=self.graphs.append)
 
 
 def dls_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,
@@ -225,8 +146,3 @@ def make_backend(scaler: GradScaler | None = None, config: DLSConfig | None = No
         >>> cmodel = torch.compile(model, backend=backend)
     """
     return DLSBackend({"config": config, **options}, scaler)
-
-
-def _fake_like(example_inputs: list[Any], t: Tensor) -> Any:
-    mode = detect_fake_mode(example_inputs)
-    return mode.from_tensor(t) if mode is not None else t
