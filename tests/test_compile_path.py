@@ -1,4 +1,4 @@
-"""Control runs down on the compile path: no dlspass file is re-entered along one call chain.
+"""Control runs down on the compile path: how often a call chain comes back into a dlspass file.
 
 Issue 31's goal "returns into an already visited file on the compile path: 1 (from 4)". While
 the first call of a compiled step runs (dynamo, AOTAutograd, the step pipeline, the backend),
@@ -6,12 +6,13 @@ a profile function sees every Python call; for each call into the dlspass packag
 dlspass.passes, i.e. the repository's passes/) it takes the chain of dlspass files on the stack,
 outermost first, other code left out and consecutive frames of one file collapsed. A file that
 appears again in that chain after another dlspass file came between is a return into an
-already visited file: ``A -> B -> A`` counts one, ``A -> B -> A -> B`` two. The test asserts
-the maximum over all calls, printing the chain that reaches it.
+already visited file: ``A -> B -> A`` counts one, ``A -> B -> A -> B`` two. The tests take
+the maximum over all calls, and the same with dlspass.passes left out (the capture layer's own
+hand-offs), and print the chain that reaches it when they fail.
 
-Run as a script (``python tests/test_compile_path.py``) it prints the maximum and its chain for
-each entry point, which is how tools/bench/RESULTS.md's "before" value was measured on an older
-tree (PYTHONPATH at that tree).
+Run as a script (``python tests/test_compile_path.py``) it prints both maxima and their chains
+for each entry point; tools/bench/RESULTS.md's "before" values were measured so on 786b5dd, with
+that tree's ``dlspass`` and ``passes/`` (as ``dlspass.passes``) imported instead of this one's.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ import dlspass
 import dlspass.passes
 from dlspass.models import MLP, mse_train_step
 
-# the goal of issue 31: the compile path may come back into one file once (the entry point's
-# module runs the compiled function it built), not more
+# issue 31's goal: along any one call chain, at most one return into an already visited file
 MAX_RETURNS = 1
 
 

@@ -1,7 +1,9 @@
 """The hand-off from dynamo to AOTAutograd and inductor, for every graph dlspass compiles.
 
 `aot_backend` is inductor's own aot path with a rewrite of each AOT graph before it is
-compiled (``backend="dlspass"`` lowers them; ``dlspass.capture.dynamo_backend``).
+compiled. `lowering_backend` is ``backend="dlspass"``'s and ``make_backend``'s
+(``dlspass.capture.dynamo_backend`` checks the options and hands over the config): it makes the
+16-bit lowering and, with a scaler, the backward's loss scaling here, so control runs down.
 `step_backend` is ``dlspass.compile``'s backend: it runs the step pipeline on the AOT step
 graph itself (``run_step_pipeline(gm, plan)``, the step's `StepPlan`), feeds the extra inputs
 the graph passes added, and compiles the result, so the entry point only builds the plan and
