@@ -131,6 +131,17 @@ class DLSPass(GraphPass):
         """True when ``call`` would rewrite ``gm`` (what ``requires`` checks preconditions for)."""
         return not self.applied(gm) and self.skip_reason(gm) is None
 
+    @final
+    def requires(self, gm: fx.GraphModule) -> None:
+        """torch's precondition hook: `check_preconditions`, only for a pass that will rewrite
+        ``gm`` (a skipped pass needs nothing). Decided here, so that a pass's hooks never call
+        back into this template (control runs down: tests/test_compile_path.py)."""
+        if self.will_run(gm):
+            self.check_preconditions(gm)
+
+    def check_preconditions(self, gm: fx.GraphModule) -> None:
+        """What ``rewrite`` needs of ``gm``; raise `PassContractError` naming what is missing."""
+
     def applied(self, gm: fx.GraphModule) -> bool:
         return self.name in applied_passes(gm.graph)
 
@@ -164,8 +175,8 @@ class FlagConsumerPass(DLSPass):
     def skip_reason(self, gm: fx.GraphModule) -> str | None:
         return no_check_reason(self.config)
 
-    def requires(self, gm: fx.GraphModule) -> None:
-        if self.will_run(gm) and global_node(gm.graph, roles.ISFINITE) is None:
+    def check_preconditions(self, gm: fx.GraphModule) -> None:
+        if global_node(gm.graph, roles.ISFINITE) is None:
             raise PassContractError(f"{self.name}: no isfinite node; run unscale_grads first")
 
 

@@ -50,9 +50,7 @@ class ClipGradNormPass(DLSPass):
             return "no max_gradient_norm or max_gradient_value: no clipping"
         return None
 
-    def requires(self, gm: fx.GraphModule) -> None:
-        if not self.will_run(gm):
-            return
+    def check_preconditions(self, gm: fx.GraphModule) -> None:
         graph = gm.graph
         if not roles.nodes_with_role(graph, roles.UNSCALE) and not grads(graph):
             raise PassContractError("clip_grad_norm: the graph has no grad or unscale node to clip")

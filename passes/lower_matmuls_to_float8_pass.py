@@ -92,9 +92,7 @@ class LowerMatmulsToFloat8Pass(DLSPass):
         its ``float8_filter`` (``config.float8`` must be set)."""
         return cls(str(config.float8), config.lowering_mode, Float8Filter.from_spec(config.float8_filter))
 
-    def requires(self, gm: fx.GraphModule) -> None:
-        if not self.will_run(gm):
-            return
+    def check_preconditions(self, gm: fx.GraphModule) -> None:
         bare = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in MATMUL_OPS
                 and not all("val" in a.meta for a in [n, *n.all_input_nodes])]
         if bare:

@@ -70,9 +70,7 @@ class LowerPrecisionPass(DLSPass):
     def _targets(self, graph: fx.Graph) -> list[fx.Node]:
         return [n for n in graph.nodes if n.op == "call_function" and self.policy.lowers(n.target)]
 
-    def requires(self, gm: fx.GraphModule) -> None:
-        if not self.will_run(gm):
-            return
+    def check_preconditions(self, gm: fx.GraphModule) -> None:
         # without its fake value an op's outputs (and their dtype) are unknown: they would
         # silently stay in float32
         # native mode re-derives every dtype from the fake values, so it needs all of them

@@ -18,9 +18,7 @@ class ScaleSeedPass(DLSPass):
     def skip_reason(self, gm: fx.GraphModule) -> str | None:
         return scaling_off_reason(self.config)
 
-    def requires(self, gm: fx.GraphModule) -> None:
-        if not self.will_run(gm):
-            return
+    def check_preconditions(self, gm: fx.GraphModule) -> None:
         if len(roles.nodes_with_role(gm.graph, roles.SEED)) != 1:
             raise PassContractError("scale_seed: the graph needs exactly one backward_seed node")
         scale_placeholder(gm.graph)

@@ -36,9 +36,7 @@ class UnscaleGradsPass(DLSPass):
     def skip_reason(self, gm: fx.GraphModule) -> str | None:
         return scaling_off_reason(self.config)
 
-    def requires(self, gm: fx.GraphModule) -> None:
-        if not self.will_run(gm):
-            return
+    def check_preconditions(self, gm: fx.GraphModule) -> None:
         if not grads(gm.graph):
             raise PassContractError("unscale_grads: the graph has no grad node")
         scale_placeholder(gm.graph)
