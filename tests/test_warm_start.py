@@ -98,6 +98,9 @@ def _mlp_step(**adam: object):
 
 def test_a_second_compile_in_one_process_hits_and_its_graph_is_made_again(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing cached before
+    # as in a fresh process: dynamo's automatic-dynamic profile is kept per code location, so
+    # steps other tests compiled with other batch sizes would make this one's first trace dynamic
+    torch._dynamo.reset()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
     hits = counters["aot_autograd"]["autograd_cache_hit"]
@@ -111,7 +114,20 @@ def test_a_second_compile_in_one_process_hits_and_its_graph_is_made_again(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(first_losses, second_losses, strict=True))
     # the hit ran no pipeline; step.graphs makes the rewritten graph again, as the cold one was
     (cold,), (again,) = first.graphs, second.graphs
-    assert again.code == cold.code
+    assert _ops(again) == _ops(cold)
+
+
+def _ops(gm: torch.fx.GraphModule) -> list[tuple[str, str, str, str]]:
+    """The graph's nodes in order as (op, target, args, kwargs), each argument node by its
+    position: node names carry counters shared by every trace in the process (a rewrite made
+    after other tests names its nodes ``..._default_2``), the structure does not."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def by_position(a: object) -> str:
+        return str(torch.fx.node.map_arg(a, lambda n: f"%{index[n]}"))
+
+    return [(n.op, str(n.target) if n.op != "placeholder" else "", by_position(n.args),
+             by_position(n.kwargs)) for n in gm.graph.nodes]
 
 
 def test_another_optimizer_structure_is_a_miss(tmp_path, monkeypatch):
