@@ -105,6 +105,10 @@ class LiveOptimizer:
         self.param_names: list[list[str]] = []  # by position in self.params (set by _build)
         self.param_flags: list[list[Tensor | None]] = []
         self.state: Any = None
+        # each group's fused-kernel constants (`fused_constants`), refreshed before each call:
+        # the traced step reads these, never ``param_groups[gi]`` (dynamo guards every value of
+        # a group dict it reads from, lr included, so a scheduler would recompile the step)
+        self.constants: list[dict[str, float] | None] = []
         self._cuda = False  # set by _build: the parameters live on CUDA
 
     def _build(self) -> None:
@@ -200,6 +204,7 @@ class LiveOptimizer:
                 elif written.get(k) != float(v):  # NaN never equals: written every call
                     t.fill_(float(v))
                     written[k] = float(v)
+        self.constants = [fused_constants(g) for g in opt.param_groups]
         if self.scaler is not None:
             if self._cuda and self.scaler.state is not self.state:  # a loaded or moved state
                 mark_static(self.scaler.state)
@@ -214,7 +219,7 @@ class LiveOptimizer:
             raise StepCaptureError("optimizer.step(closure) is not supported inside dlspass.compile")
         with torch.no_grad():
             for gi, (params, plan) in enumerate(zip(self.params, self.plans, strict=True)):
-                constants = (fused_constants(self.optimizer.param_groups[gi])
+                constants = (self.constants[gi]
                              if fused_kernel_problem(self.fopt.kind, plan, params[0].device.type
                                                      if params else "cpu") is None else None)
                 if constants is not None:

@@ -1,0 +1,92 @@
+"""Review of session 5's changes (issues 31 and 32): defects found, each with the test that
+showed it.
+
+The fused-kernel cases compare ``dlspass.compile`` with ``backend_compiler="eager"`` against
+eager torch (the same fused optimizer with ``torch.amp.GradScaler``); as in
+tests/test_fused_optimizer_tail.py both run the same ATen ops on the same values in the same
+order (power-of-two scales, no subnormal gradient), so the comparison is bit equality.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fused_optimizer_tail import INIT, INTERVAL, OVERFLOW_STEPS, _batches, _loss
+
+import dlspass
+
+N = 5  # steps: one overflow (OVERFLOW_STEPS[0] == 2) and steps on both sides of it
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    # a parameter the loss never reads: no gradient, so torch.optim skips it in its group
+    m.register_parameter("unused", torch.nn.Parameter(torch.randn(3, 3)))
+    return m
+
+
+def _optimizer(model: torch.nn.Module, opt_cls, opt_kw) -> torch.optim.Optimizer:
+    """Two groups with different options, the second with the parameter that has no gradient,
+    and a scheduler-driven lr."""
+    groups = [{"params": list(model[0].parameters())},
+              {"params": [*model[2].parameters(), model.unused], "lr": 3e-3,
+               "weight_decay": 0.2, "betas": (0.8, 0.95)}]
+    return opt_cls(groups, fused=True, **opt_kw)
+
+
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters, and the optimizer state of those with a gradient (dlspass creates the
+    unused parameter's zero state up front, torch never does: not compared)."""
+    out = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        if p is not model.unused:
+            out += [v.detach().clone() for _, v in sorted(opt.state[p].items())]
+    return out
+
+
+@pytest.mark.parametrize("opt_cls,opt_kw", [
+    (torch.optim.Adam, {"lr": 1e-2, "maximize": True}),
+    (torch.optim.AdamW, {"lr": 1e-2, "amsgrad": True}),
+], ids=["Adam-maximize", "AdamW-amsgrad"])
+def test_fused_step_with_a_scheduler_two_groups_and_a_gradless_param_is_torch_and_never_recompiles(
+        opt_cls, opt_kw):
+    """Found: the fused path read its constants from ``param_groups[gi]`` inside the traced
+    code, and dynamo guarded that dict's ``lr`` as a constant: the first lr change recompiled
+    the whole step (fused_optimizer.fused_constants promised schedulers never recompile)."""
+    torch._dynamo.reset()  # dynamo's per-code memory (automatic dynamic) from an earlier case
+    batches = _batches()[:N]
+    ref_model = _model()
+    ref_opt = _optimizer(ref_model, opt_cls, opt_kw)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT, growth_interval=INTERVAL)
+    model = _model()
+    opt = _optimizer(model, opt_cls, opt_kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    dls_scaler = dlspass.GradScaler(policy="torch", init_scale=INIT, steps_per_increase=INTERVAL)
+
+    def step(x, y, k):
+        loss = _loss(model, x, y, k)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    compiled = dlspass.compile(step, optimizer=opt, scaler=dls_scaler, mixed_precision=False,
+                               backend_compiler="eager")
+    unused = model.unused.detach().clone()
+    for i, (x, y, k) in enumerate(batches):
+        loss = _loss(ref_model, x, y, k)
+        scaler.scale(loss).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        compiled(x, y, k)
+        sched.step()
+        assert bool(dls_scaler.found_inf) == (i in OVERFLOW_STEPS), i
+        got, ref = _snapshot(model, opt), _snapshot(ref_model, ref_opt)
+        # same ATen ops, same values, same order (module docstring): bit-equal
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)), f"step {i}"
+    assert torch.equal(model.unused, unused)
+    assert len(compiled.graphs) == 1  # lr is a tensor input: the scheduler never recompiles
