@@ -204,7 +204,9 @@ class LiveOptimizer:
                 elif written.get(k) != float(v):  # NaN never equals: written every call
                     t.fill_(float(v))
                     written[k] = float(v)
-        self.constants = [fused_constants(g) for g in opt.param_groups]
+        self.constants = [fused_constants(g) if fused_kernel_problem(
+            self.fopt.kind, plan, ps[0].device.type if ps else "cpu") is None else None
+            for g, plan, ps in zip(opt.param_groups, self.plans, self.params, strict=True)]
         if self.scaler is not None:
             if self._cuda and self.scaler.state is not self.state:  # a loaded or moved state
                 mark_static(self.scaler.state)
@@ -219,9 +221,7 @@ class LiveOptimizer:
             raise StepCaptureError("optimizer.step(closure) is not supported inside dlspass.compile")
         with torch.no_grad():
             for gi, (params, plan) in enumerate(zip(self.params, self.plans, strict=True)):
-                constants = (self.constants[gi]
-                             if fused_kernel_problem(self.fopt.kind, plan, params[0].device.type
-                                                     if params else "cpu") is None else None)
+                constants = self.constants[gi]  # None: not the fused kernel's group (`refresh`)
                 if constants is not None:
                     self._fused_step(gi, params, plan, constants)
                     continue
