@@ -13,6 +13,7 @@ the file, on the same inputs in the same order.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -173,8 +174,9 @@ def test_a_saved_step_loads_in_a_fresh_process_and_trains_bit_identically(tmp_pa
 def _fake_saved(path: Path, step: CompiledStep, **changes: object) -> Path:
     """A file with the header ``step`` would write (changed by ``changes``) and no body: every
     test below must be refused before the body is read."""
-    header = {**fingerprint(step), "sources": [], **changes}
-    path.write_bytes(MAGIC + json.dumps(header).encode() + b"\n" + b"not a pickle")
+    body = b"not a pickle"
+    header = {**fingerprint(step), "sources": [], "body": hashlib.sha256(body).hexdigest(), **changes}
+    path.write_bytes(MAGIC + json.dumps(header).encode() + b"\n" + body)
     return path
 
 

@@ -90,3 +90,21 @@ def test_fused_step_with_a_scheduler_two_groups_and_a_gradless_param_is_torch_an
         assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)), f"step {i}"
     assert torch.equal(model.unused, unused)
     assert len(compiled.graphs) == 1  # lr is a tensor input: the scheduler never recompiles
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bytes changed"])
+def test_a_truncated_or_damaged_saved_step_is_refused_with_one_line(tmp_path, damage):
+    """Found: ``load_step`` handed a truncated body to pickle (a raw ``UnpicklingError`` with a
+    traceback from torch's loader) and loaded a body with changed bytes without noticing; the
+    header now carries the body's checksum. The file is the header a save of this step writes
+    (tests/test_aot_save_load.py's ``_fake_saved``), so only the body's damage can refuse it."""
+    from test_aot_save_load import _fake_saved, make_step
+
+    from dlspass.capture.saved_step import SavedStepMismatchError
+
+    path = _fake_saved(tmp_path / "step.dlstep", make_step())
+    blob = path.read_bytes()
+    path.write_bytes(blob[:-4] if damage == "truncated" else blob[:-4] + b"PICK")
+    with pytest.raises(SavedStepMismatchError, match="truncated or damaged") as e:
+        make_step().load(path)
+    assert "\n" not in str(e.value)

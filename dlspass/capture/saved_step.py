@@ -17,7 +17,8 @@ step saveable:
   (`_pickled_for_guards`);
 - the traced ``LiveOptimizer`` reads names and flags by position, not by ``id(param)``.
 
-Safety: the file starts with a header naming everything the compiled graph depends on that
+Safety: the file starts with a header carrying the body's checksum (a truncated or damaged
+file is refused with one line) and naming everything the compiled graph depends on that
 dynamo's guards cannot see (the DLS config and graph passes, dlspass's source, the torch and
 Python versions, the optimizer's type and static options, the parameters, the checksums of
 every source the trace read). A load whose step differs in any of them is refused with one
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib
 import json
 import pickle
@@ -85,7 +87,8 @@ def save_step(step: Any, path: str | Path, args: tuple, kwargs: dict[str, Any]) 
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise StepNotSaveableError(f"dlspass: the step cannot be saved ahead of time: {first}") from e
-    header = {**fingerprint(step), "sources": _sources(compiled)}
+    header = {**fingerprint(step), "sources": _sources(compiled),
+              "body": hashlib.sha256(data).hexdigest()}
     text = json.dumps(header, sort_keys=True).encode()
 
     def write(tmp: str) -> None:
@@ -109,6 +112,9 @@ def load_step(step: Any, path: str | Path) -> AOTCompiledFunction:
         header = json.loads(line)
     except ValueError as e:
         raise SavedStepMismatchError(f"{p}: the saved step's header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise SavedStepMismatchError(f"{p}: the saved step's header is not a JSON object")
+    body = header.pop("body", None)
     refuse_unsaveable(step)
     saved_sources = header.pop("sources", None)
     here = fingerprint(step)
@@ -126,6 +132,12 @@ def load_step(step: Any, path: str | Path) -> AOTCompiledFunction:
     if changed is not None:
         raise SavedStepMismatchError(f"{p}: the source the saved step traced has changed since "
                                      f"({changed}); compile and save it again")
+    # after the plan's checks (they name what differs), before pickle reads the body: a
+    # truncated pickle fails deep in torch's loader, a damaged one may load and run damaged
+    # kernel source
+    if body != hashlib.sha256(data).hexdigest():
+        raise SavedStepMismatchError(f"{p}: the saved step is truncated or damaged (its body does not "
+                                     "match the checksum its header records); save it again")
     with step.live():  # dynamo's settings of the save while its guards are rebuilt
         compiled = AOTCompiledFunction.deserialize(data, None, {_FN_KEY: step.fn})
     return compiled
