@@ -108,3 +108,43 @@ def test_a_truncated_or_damaged_saved_step_is_refused_with_one_line(tmp_path, da
     with pytest.raises(SavedStepMismatchError, match="truncated or damaged") as e:
         make_step().load(path)
     assert "\n" not in str(e.value)
+
+
+def _step_around(loss_fn):
+    """test_aot_save_load's step with the loss function taken from the closure."""
+    from dlspass.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP(d_in=32, d_hidden=64, d_out=32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return dlspass.compile(train_step, optimizer=opt, scaler=dlspass.GradScaler(fp16_type="float16"))
+
+
+def test_a_saved_step_is_refused_by_a_step_around_another_loss_function(tmp_path):
+    """Found (silent wrong training): torch's ``aot_compile`` keeps no guard on which function a
+    closure cell holds, so a step saved around ``F.mse_loss`` and loaded by the same step
+    function around ``F.l1_loss`` (or a lambda) ran the saved MSE graph: it returned and
+    trained on the MSE loss (reproduced end to end: loaded loss 1.0818, l1 loss 0.6937).
+    The header now names the functions the step reaches (`_callables`)."""
+    import torch.nn.functional as F
+    from test_aot_save_load import _fake_saved
+
+    from dlspass.capture.saved_step import SavedStepMismatchError
+
+    path = _fake_saved(tmp_path / "step.dlstep", _step_around(F.mse_loss))
+    for other in (F.l1_loss, lambda a, b: F.mse_loss(a, b) * 2):
+        with pytest.raises(SavedStepMismatchError, match="functions the step function calls") as e:
+            _step_around(other).load(path)
+        assert "\n" not in str(e.value)
+    # the same step passes every check of the header (the fake body then fails to unpickle)
+    with pytest.raises(Exception) as e:
+        _step_around(F.mse_loss).load(path)
+    assert not isinstance(e.value, SavedStepMismatchError), e.value

@@ -37,6 +37,7 @@ import importlib
 import json
 import pickle
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ MAGIC = b"dlspass-saved-step 1\n"
 """The first line of a saved step (the format's version is part of it)."""
 SUFFIX = ".dlstep"
 """The file suffix `load_step` takes (``check_input_file``)."""
+_EMPTY = object()  # stands for an empty closure cell (`_callables`)
 _FN_KEY = "dlspass_step_fn"
 """The external-data key of the frame's closure: the user's step function."""
 
@@ -199,7 +201,68 @@ def fingerprint(step: Any) -> dict[str, Any]:
         "scaler": step.scaler is not None,
         "step_fn": getattr(step.fn, "__qualname__", type(step.fn).__qualname__),
         "globals": _global_constants(step.fn),
+        "callables": _callables(step.fn),
     }
+
+
+def _callables(fn: Any, depth: int = 3) -> dict[str, str]:
+    """The functions ``fn`` reaches through its closure cells and the globals its code names
+    (and theirs, ``depth`` levels down), by name, each as its qualified name and a hash of its
+    code: dynamo inlines them into the graph and torch's ``aot_compile`` keeps no guard on
+    which function a cell or global holds, so a step built around another loss function
+    (``make_step(F.l1_loss)`` where the save had ``F.mse_loss``) would run the saved one.
+    Modules and optimizers are left out: dynamo's guards on their types and attributes are kept."""
+    found: dict[str, str] = {}
+
+    def walk(f: Any, prefix: str, left: int) -> None:
+        code = getattr(f, "__code__", None)
+        if code is None or left == 0:
+            return
+        cells = {n: _cell(c) for n, c in zip(code.co_freevars, f.__closure__ or (), strict=True)}
+        scope = getattr(f, "__globals__", {})
+        named = {**{n: scope[n] for n in code.co_names if n in scope}, **cells}
+        for name, value in sorted(named.items()):
+            if value is _EMPTY:
+                continue
+            ident = _callable_identity(value)
+            if ident is not None:
+                found[f"{prefix}{name}"] = ident
+                walk(value.func if isinstance(value, functools.partial) else value,
+                     f"{prefix}{name}.", left - 1)
+
+    walk(fn, "", depth)
+    return found
+
+
+def _callable_identity(value: Any) -> str | None:
+    """A plain function's (or a partial's) qualified name and code hash; None for anything else
+    (a module, an optimizer, a tensor, a number)."""
+    if isinstance(value, functools.partial):
+        inner = _callable_identity(value.func)
+        return None if inner is None else f"partial({inner}, {value.args!r}, {value.keywords!r})"
+    if isinstance(value, types.BuiltinFunctionType):
+        return f"{getattr(value, '__module__', None)}.{value.__qualname__}"
+    if not isinstance(value, types.FunctionType | types.MethodType):
+        return None
+    code = value.__code__
+    # the bytecode, constants and names: not the file name or line numbers (another checkout
+    # of the same code loads the step)
+    text = repr((code.co_code, _consts(code), code.co_names)).encode()
+    return f"{value.__module__}.{value.__qualname__}:{hashlib.sha256(text).hexdigest()[:16]}"
+
+
+def _consts(code: types.CodeType) -> tuple:
+    """``code``'s constants, nested code as its bytecode, a frozenset sorted (its order follows
+    the process's string hashing)."""
+    return tuple((c.co_code, _consts(c), c.co_names) if isinstance(c, types.CodeType)
+                 else sorted(map(repr, c)) if isinstance(c, frozenset) else c for c in code.co_consts)
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell the function assigns later is still empty
+        return _EMPTY
 
 
 def _global_constants(fn: Any) -> dict[str, str]:
@@ -216,7 +279,8 @@ def _what(key: str) -> str:
             "torch": "torch version", "python": "Python version", "optimizer": "optimizer type",
             "optimizer_options": "optimizer static options", "params": "parameters",
             "scaler": "loss scaler", "step_fn": "step function",
-            "globals": "constants the step function reads"}.get(key, key)
+            "globals": "constants the step function reads",
+            "callables": "functions the step function calls"}.get(key, key)
 
 
 def _short(value: Any) -> str:
