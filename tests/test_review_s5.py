@@ -9,6 +9,8 @@ order (power-of-two scales, no subnormal gradient), so the comparison is bit equ
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from test_fused_optimizer_tail import INIT, INTERVAL, OVERFLOW_STEPS, _batches, _loss
@@ -148,3 +150,51 @@ def test_a_saved_step_is_refused_by_a_step_around_another_loss_function(tmp_path
     with pytest.raises(Exception) as e:
         _step_around(F.mse_loss).load(path)
     assert not isinstance(e.value, SavedStepMismatchError), e.value
+
+
+def _saved_child(mode: str, out: str, path: str) -> None:
+    """One process of the test below: ``save`` compiles, saves and trains three steps of
+    test_aot_save_load's step in cbfloat16; ``load`` loads the file and trains the same."""
+    from test_aot_save_load import batches, make_step
+
+    step = make_step("cbfloat16")
+    data = batches()[:3]
+    if mode == "save":
+        step.save(path, *data[0])
+    else:
+        step.load(path)
+    losses = [step(*b) for b in data]
+    torch.save({"loss": losses, "params": [p.detach().clone() for p in step.optimizer.param_groups[0]["params"]]}, out)
+
+
+def test_a_saved_cbfloat16_step_keeps_its_rounding_where_the_loader_enables_unsafe_math(tmp_path):
+    """Found (silent wrong numerics): a loaded step builds its kernels from the C++ source the
+    file carries with the loading process's inductor config; under
+    ``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1`` g++ folded ``round_split``'s
+    ``c - (c - a)`` to ``a`` and the loaded cbfloat16 step trained unrounded (its losses and
+    parameters differed from the saving process's). Bit equality: the loader runs the very
+    code the saver ran, on the same inputs in the same order (tests/test_aot_save_load.py)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    path = tmp_path / "step.dlstep"
+    got = {}
+    for mode, unsafe in (("save", "0"), ("load", "1")):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"cache-{mode}"),
+               "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}",
+               "TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG": unsafe}
+        env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+        out = tmp_path / f"{mode}.pt"
+        proc = subprocess.run([sys.executable, __file__, mode, str(out), str(path)], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+        assert proc.returncode == 0, f"{mode} failed:\n{proc.stdout[-3000:]}"
+        got[mode] = torch.load(out)
+    for key in ("loss", "params"):
+        for i, (a, b) in enumerate(zip(got["load"][key], got["save"][key], strict=True)):
+            assert torch.equal(a, b), f"{key}[{i}]"
+
+
+if __name__ == "__main__":
+    _saved_child(*sys.argv[1:])

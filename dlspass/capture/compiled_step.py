@@ -50,7 +50,7 @@ from dlspass.capture.dynamo_backend import BACKEND_COMPILERS
 from dlspass.capture.dynamo_source import find_seed, tag_aot_graph, tag_backward_grads
 from dlspass.capture.live_optimizer import SUPPORTED_NAMES, LiveOptimizer, functionalize_live
 from dlspass.capture.runner import StepRunner
-from dlspass.capture.saved_step import SavedStepMismatchError, load_step, save_step
+from dlspass.capture.saved_step import SavedStepMismatchError, kernel_settings, load_step, save_step
 from dlspass.capture.step_pipeline import StepCaptureError, param_targets, refuse_dtensor_params
 from dlspass.capture.step_plan import StepPlan, resolve_plan
 from dlspass.config import ConfigError, DLSConfig, FP16Type, PrecisionMode
@@ -242,7 +242,8 @@ class CompiledStep(StepRunner):
                 "dlspass: the saved step does not fit this call (its guards failed: "
                 f"{' '.join(str(p) for p in reason.verbose_code_parts)[:300]}); "
                 "compile and save it again for these inputs and this optimizer")
-        return aot.fn(*args, **kwargs)
+        with kernel_settings():  # the kernels may be built from their source at the first call
+            return aot.fn(*args, **kwargs)
 
     def _translate(self, run: Callable[[], Any]) -> Any:
         """``run()``, with dynamo's errors turned into dlspass's."""

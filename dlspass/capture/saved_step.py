@@ -50,8 +50,9 @@ from dlspass.cache_facts import code_fingerprint
 from dlspass.errors import InputNotImplementedError, InputValueError
 from dlspass.files.atomic_write import write_atomic
 from dlspass.files.paths import check_input_file
+from dlspass.formats import INDUCTOR_CONFIG
 
-__all__ = ["SavedStepMismatchError", "StepNotSaveableError", "load_step", "save_step"]
+__all__ = ["SavedStepMismatchError", "StepNotSaveableError", "kernel_settings", "load_step", "save_step"]
 
 MAGIC = b"dlspass-saved-step 1\n"
 """The first line of a saved step (the format's version is part of it)."""
@@ -140,9 +141,20 @@ def load_step(step: Any, path: str | Path) -> AOTCompiledFunction:
     if body != hashlib.sha256(data).hexdigest():
         raise SavedStepMismatchError(f"{p}: the saved step is truncated or damaged (its body does not "
                                      "match the checksum its header records); save it again")
-    with step.live():  # dynamo's settings of the save while its guards are rebuilt
+    with step.live(), kernel_settings():  # dynamo's settings of the save while its guards are rebuilt
         compiled = AOTCompiledFunction.deserialize(data, None, {_FN_KEY: step.fn})
     return compiled
+
+
+def kernel_settings() -> contextlib.AbstractContextManager:
+    """Inductor's settings while a loaded step builds its kernels from the C++ source the file
+    carries: g++'s flags come from this process's inductor config, and its unsafe math
+    (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1``) would fold the emulated rounding
+    (``formats.round_split``'s ``c - (c - a)``) away; pinned off as for every dlspass compile
+    (``formats.INDUCTOR_CONFIG``)."""
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.patch(INDUCTOR_CONFIG)
 
 
 def refuse_unsaveable(step: Any) -> None:
