@@ -175,7 +175,8 @@ def _fake_saved(path: Path, step: CompiledStep, **changes: object) -> Path:
     """A file with the header ``step`` would write (changed by ``changes``) and no body: every
     test below must be refused before the body is read."""
     body = b"not a pickle"
-    header = {**fingerprint(step), "sources": [], "body": hashlib.sha256(body).hexdigest(), **changes}
+    header = {**fingerprint(step), "sources": [], "module_constants": {},
+              "body": hashlib.sha256(body).hexdigest(), **changes}
     path.write_bytes(MAGIC + json.dumps(header).encode() + b"\n" + body)
     return path
 

@@ -152,6 +152,27 @@ def test_a_saved_step_is_refused_by_a_step_around_another_loss_function(tmp_path
     assert not isinstance(e.value, SavedStepMismatchError), e.value
 
 
+SCALE = 1.0  # a module constant traced code reads (the test below changes it)
+
+
+def test_a_saved_step_is_refused_after_a_module_constant_it_read_changed(tmp_path, monkeypatch):
+    """Found (silent wrong training): a model whose ``forward`` reads a module global
+    (``SCALE = 1.0``), saved, then loaded where the line reads ``SCALE = 3.0``, ran the saved
+    graph with 1.0 (reproduced end to end: loaded loss 1.0818, the model's eager loss 1.3658):
+    torch's ``aot_compile`` keeps no guard on globals and the line is outside the traced
+    lines' checksums. The header now carries the traced modules' plain constants."""
+    from test_aot_save_load import _fake_saved, make_step
+
+    from dlspass.capture.saved_step import SavedStepMismatchError, module_constants
+
+    step = make_step()
+    path = _fake_saved(tmp_path / "step.dlstep", step, module_constants=module_constants([__name__]))
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
+    with pytest.raises(SavedStepMismatchError, match=r"SCALE: saved 1\.0, now 3\.0") as e:
+        make_step().load(path)
+    assert "\n" not in str(e.value)
+
+
 def _saved_child(mode: str, out: str, path: str) -> None:
     """One process of the test below: ``save`` compiles, saves and trains three steps of
     test_aot_save_load's step in cbfloat16; ``load`` loads the file and trains the same."""

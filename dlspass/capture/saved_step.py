@@ -90,7 +90,9 @@ def save_step(step: Any, path: str | Path, args: tuple, kwargs: dict[str, Any]) 
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise StepNotSaveableError(f"dlspass: the step cannot be saved ahead of time: {first}") from e
-    header = {**fingerprint(step), "sources": _sources(compiled),
+    sources = _sources(compiled)
+    header = {**fingerprint(step), "sources": sources,
+              "module_constants": module_constants(sorted({s[0] for s in sources})),
               "body": hashlib.sha256(data).hexdigest()}
     text = json.dumps(header, sort_keys=True).encode()
 
@@ -120,6 +122,7 @@ def load_step(step: Any, path: str | Path) -> AOTCompiledFunction:
     body = header.pop("body", None)
     refuse_unsaveable(step)
     saved_sources = header.pop("sources", None)
+    saved_constants = header.pop("module_constants", None)
     here = fingerprint(step)
     for key in sorted(set(here) | set(header)):
         saved, now = header.get(key), here.get(key)
@@ -131,9 +134,9 @@ def load_step(step: Any, path: str | Path) -> AOTCompiledFunction:
             raise SavedStepMismatchError(
                 f"{p}: saved for another step ({what}: saved {_short(saved)}, this step "
                 f"{_short(now)}); compile and save it again")
-    changed = _changed_source(saved_sources)
+    changed = _changed_source(saved_sources) or _changed_constants(saved_constants)
     if changed is not None:
-        raise SavedStepMismatchError(f"{p}: the source the saved step traced has changed since "
+        raise SavedStepMismatchError(f"{p}: the source the saved step traced, or a constant it read, has changed since "
                                      f"({changed}); compile and save it again")
     # after the plan's checks (they name what differs), before pickle reads the body: a
     # truncated pickle fails deep in torch's loader, a damaged one may load and run damaged
@@ -304,6 +307,40 @@ def _sources(compiled: AOTCompiledFunction) -> list[list[Any]]:
     """``[module, first line, last line, checksum]`` of every source dynamo traced."""
     return sorted([s.module, s.firstlineno, s.lastlineno, s.checksum]
                   for s in compiled.source_info().inlined_sources)
+
+
+def module_constants(modules: list[str]) -> dict[str, dict[str, str]]:
+    """The plain constants (numbers, strings, None) in the globals of each module the trace read,
+    by module and name; torch's and dlspass's own left out (their versions are in the header).
+    Dynamo bakes a constant that traced code reads from its module's globals into the graph
+    and torch's ``aot_compile`` keeps no guard on globals: a model whose ``forward`` reads
+    ``SCALE = 1.0`` would otherwise load and run with the saved value after the line changed
+    to ``SCALE = 3.0`` (a line outside the traced lines, so outside their checksums)."""
+    found: dict[str, dict[str, str]] = {}
+    for name in modules:
+        if name.split(".")[0] in ("torch", "dlspass"):
+            continue
+        module = sys.modules.get(name)
+        if module is None:
+            with contextlib.suppress(ImportError):
+                module = importlib.import_module(name)
+        scope = vars(module) if module is not None else {}
+        found[name] = {k: repr(v) for k, v in scope.items() if not k.startswith("__")
+                       and isinstance(v, bool | int | float | complex | str | bytes | type(None))}
+    return found
+
+
+def _changed_constants(saved: Any) -> str | None:
+    """The first module constant (`module_constants`) whose value differs from the save's."""
+    if not isinstance(saved, dict):
+        return "no module constants in the header"
+    now = module_constants(sorted(saved))
+    for module in sorted(saved):
+        for name in sorted(set(saved[module]) | set(now.get(module, {}))):
+            if saved[module].get(name) != now.get(module, {}).get(name):
+                return (f"{module}.{name}: saved {_short(saved[module].get(name))}, "
+                        f"now {_short(now.get(module, {}).get(name))}")
+    return None
 
 
 def _changed_source(sources: list[list[Any]] | None) -> str | None:
