@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from test_fused_optimizer_tail import INIT, INTERVAL, OVERFLOW_STEPS, _batches, _loss
+from test_fused_optimizer_tail import INIT, INTERVAL, OVERFLOW_STEPS, _batches, _compiled, _loss
 
 import dlspass
 
@@ -66,16 +66,7 @@ def test_fused_step_with_a_scheduler_two_groups_and_a_gradless_param_is_torch_an
     opt = _optimizer(model, opt_cls, opt_kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     dls_scaler = dlspass.GradScaler(policy="torch", init_scale=INIT, steps_per_increase=INTERVAL)
-
-    def step(x, y, k):
-        loss = _loss(model, x, y, k)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    compiled = dlspass.compile(step, optimizer=opt, scaler=dls_scaler, mixed_precision=False,
-                               backend_compiler="eager")
+    compiled = _compiled(model, opt, dls_scaler, backend_compiler="eager")
     unused = model.unused.detach().clone()
     for i, (x, y, k) in enumerate(batches):
         loss = _loss(ref_model, x, y, k)
