@@ -143,23 +143,30 @@ def test_a_saved_step_is_refused_by_a_step_around_another_loss_function(tmp_path
     assert not isinstance(e.value, SavedStepMismatchError), e.value
 
 
-SCALE = 1.0  # a module constant traced code reads (the test below changes it)
+SCALE = 1.0  # module globals traced code reads (the test below changes them)
+ACT = torch.tanh
 
 
-def test_a_saved_step_is_refused_after_a_module_constant_it_read_changed(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("SCALE", 3.0, r"SCALE: saved 1\.0, now 3\.0"),
+    ("ACT", torch.relu, r"ACT: saved \S*tanh, now \S*relu"),
+])
+def test_a_saved_step_is_refused_after_a_module_constant_it_read_changed(tmp_path, monkeypatch, name,
+                                                                          value, message):
     """Found (silent wrong training): a model whose ``forward`` reads a module global
     (``SCALE = 1.0``), saved, then loaded where the line reads ``SCALE = 3.0``, ran the saved
     graph with 1.0 (reproduced end to end: loaded loss 1.0818, the model's eager loss 1.3658):
     torch's ``aot_compile`` keeps no guard on globals and the line is outside the traced
-    lines' checksums. The header now carries the traced modules' plain constants."""
+    lines' checksums. The header now carries the traced modules' plain constants, and which
+    function an alias such as ``ACT = torch.tanh`` names (the same dropped guard)."""
     from test_aot_save_load import _fake_saved, make_step
 
     from dlspass.capture.saved_step import SavedStepMismatchError, module_constants
 
     step = make_step()
     path = _fake_saved(tmp_path / "step.dlstep", step, module_constants=module_constants([__name__]))
-    monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
-    with pytest.raises(SavedStepMismatchError, match=r"SCALE: saved 1\.0, now 3\.0") as e:
+    monkeypatch.setattr(sys.modules[__name__], name, value)
+    with pytest.raises(SavedStepMismatchError, match=message) as e:
         make_step().load(path)
     assert "\n" not in str(e.value)
 

@@ -310,8 +310,8 @@ def _sources(compiled: AOTCompiledFunction) -> list[list[Any]]:
 
 
 def module_constants(modules: list[str]) -> dict[str, dict[str, str]]:
-    """The plain constants (numbers, strings, None) in the globals of each module the trace read,
-    by module and name; torch's and dlspass's own left out (their versions are in the header).
+    """The plain constants (numbers, strings, None) and imported or aliased functions in the
+    globals of each module the trace read, by module and name; torch's and dlspass's own left out (their versions are in the header).
     Dynamo bakes a constant that traced code reads from its module's globals into the graph
     and torch's ``aot_compile`` keeps no guard on globals: a model whose ``forward`` reads
     ``SCALE = 1.0`` would otherwise load and run with the saved value after the line changed
@@ -327,6 +327,11 @@ def module_constants(modules: list[str]) -> dict[str, dict[str, str]]:
         scope = vars(module) if module is not None else {}
         found[name] = {k: repr(v) for k, v in scope.items() if not k.startswith("__")
                        and isinstance(v, bool | int | float | complex | str | bytes | type(None))}
+        # and a function bound under another name (``ACT = F.gelu``): which one, by its code
+        # (one defined in the module itself is under its traced lines' checksums)
+        found[name].update({k: ident for k, v in scope.items() if not k.startswith("__")
+                            and getattr(v, "__module__", name) != name
+                            and (ident := _callable_identity(v)) is not None})
     return found
 
 
