@@ -203,6 +203,7 @@ def test_cli_float8_filter_is_recorded_and_inspect_says_why_each_matmul_stays(ca
     assert err.count("\n") == 1 and "--float8-filter" in err and "unknown entry 'tiny'" in err
 
 
+@pytest.mark.slow  # inductor compiles of a float8 step (about 25 s); the matrix runs float8 through inductor by default
 def test_capture_step_compiled_by_inductor_trains_like_the_eager_graph() -> None:
     """Inductor may lay out a buffer as it likes; the native matmuls pin their operands'
     layouts (``torch._scaled_mm`` wants the second one column-major) and train as eagerly."""

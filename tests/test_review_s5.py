@@ -186,6 +186,7 @@ def _saved_child(mode: str, out: str, path: str) -> None:
     torch.save({"loss": losses, "params": [p.detach().clone() for p in step.optimizer.param_groups[0]["params"]]}, out)
 
 
+@pytest.mark.slow  # two processes compiling with inductor (about 40 s): tools/run_slow.sh
 def test_a_saved_cbfloat16_step_keeps_its_rounding_where_the_loader_enables_unsafe_math(tmp_path):
     """Found (silent wrong numerics): a loaded step builds its kernels from the C++ source the
     file carries with the loading process's inductor config; under
