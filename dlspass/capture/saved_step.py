@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch._dynamo.aot_compile import AOTCompiledFunction
 from torch._dynamo.package import _hash_sourcelines
+from torch._inductor import config as inductor_config
 
 from dlspass.cache_facts import code_fingerprint
 from dlspass.errors import InputNotImplementedError, InputValueError
@@ -155,8 +156,6 @@ def kernel_settings() -> contextlib.AbstractContextManager:
     (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1``) would fold the emulated rounding
     (``formats.round_split``'s ``c - (c - a)``) away; pinned off as for every dlspass compile
     (``formats.INDUCTOR_CONFIG``)."""
-    from torch._inductor import config as inductor_config
-
     return inductor_config.patch(INDUCTOR_CONFIG)
 
 
